@@ -1,0 +1,25 @@
+"""The small exception hierarchy that commands and servicers map to exit codes and gRPC status codes."""
+
+
+class FedsynthError(Exception):
+    """Base class of every error fedsynth raises on purpose."""
+
+
+class ConfigError(FedsynthError, ValueError):
+    """A configuration value or command-line argument is invalid; the message names it."""
+
+
+class DataError(FedsynthError, ValueError):
+    """A dataset, data folder or label-count input is missing or malformed."""
+
+
+class WireError(FedsynthError, ValueError):
+    """Bytes received from a peer are malformed (bad checksum, shape, dtype, order, or values)."""
+
+
+class StateError(FedsynthError):
+    """A well-formed request that does not fit the current state (a closed round, a stale session)."""
+
+
+class QuorumError(FedsynthError):
+    """Too few clients answered or stayed reachable for a round to close."""

@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "client": ("client_node.main", "one client-node process (one or several logical clients)"),
     "generator serve": ("generator_service.serve_cmd", "serve a class-conditional generator over gRPC"),
     "generator train": ("generator_service.train_cmd", "train the class-conditional generator on a dataset"),
+    "generator dpgan": ("generator_service.dpgan_cmd", "train a DP WGAN-GP on local images and write unlabelled samples"),
     "experiment": ("deploy.experiment", "several arms on the same partition and seed, with a comparison table"),
     "report": ("deploy.report_cmd", "re-render report.md and plots of a run folder"),
     "deploy provision": ("deploy.provision", "create a CA and per-role TLS certificates"),

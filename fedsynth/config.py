@@ -87,6 +87,42 @@ class GenerationConfig:
 
 
 @dataclass(frozen=True)
+class SdaflConfig:
+    """SDA-FL knobs. The paper does not publish tau, lambda2, a, the GAN sizes or epsilon: these are our defaults."""
+
+    samples_per_client: int = 200  # M: unlabelled DP-GAN samples each client uploads once
+    tau: float = 0.95  # keep a pseudo-label only where the max class probability exceeds tau
+    lambda2: float = 1.0  # weight of the cross-entropy on the real batch
+    mixup_alpha: float = 1.0  # lambda ~ Beta(a, a)
+    gan_steps: int = 100  # generator iterations of each client's WGAN-GP
+    gan_batch_size: int = 32  # expected (Poisson) real batch size of the critic
+    gan_latent_dim: int = 32
+    gan_width: int = 32
+    target_epsilon: float = 10.0  # 0: no target, use noise_multiplier as given
+    noise_multiplier: float = 1.0
+    delta: float = 0.0  # 0: 1 / N_k^1.1 for each client
+    max_grad_norm: float = 1.0
+    accountant: str = "rdp"
+    server_steps: int = 20  # global-model steps on the labelled synthetic set after each aggregation
+    server_lr: float = 0.01
+    server_batch_size: int = 64
+    track_agreement: bool = True  # measure pseudo-label agreement with a centrally trained reference classifier
+
+    def __post_init__(self) -> None:
+        _require(self.samples_per_client >= 1, f"sdafl.samples_per_client must be >= 1, got {self.samples_per_client}")
+        _require(0 <= self.tau < 1, f"sdafl.tau must be in [0, 1), got {self.tau}")
+        _require(self.lambda2 >= 0, f"sdafl.lambda2 must be >= 0, got {self.lambda2}")
+        _require(self.mixup_alpha > 0, f"sdafl.mixup_alpha must be > 0, got {self.mixup_alpha}")
+        _require(self.gan_steps >= 1, f"sdafl.gan_steps must be >= 1, got {self.gan_steps}")
+        _require(self.target_epsilon >= 0, f"sdafl.target_epsilon must be >= 0 (0: use noise_multiplier), got {self.target_epsilon}")
+        _require(self.noise_multiplier >= 0, f"sdafl.noise_multiplier must be >= 0, got {self.noise_multiplier}")
+        _require(0 <= self.delta < 1, f"sdafl.delta must be in [0, 1) (0: 1/N_k^1.1), got {self.delta}")
+        _require(self.max_grad_norm > 0, f"sdafl.max_grad_norm must be > 0, got {self.max_grad_norm}")
+        _require(self.accountant in ("rdp", "prv"), f"sdafl.accountant must be 'rdp' or 'prv', got {self.accountant!r}")
+        _require(self.server_steps >= 0, f"sdafl.server_steps must be >= 0, got {self.server_steps}")
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
     host: str = "127.0.0.1"
     coordinator_port: int = 0
@@ -116,6 +152,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    sdafl: SdaflConfig = field(default_factory=SdaflConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -128,7 +165,13 @@ class RunConfig:
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
 
 
-SECTIONS = {"data": DataConfig, "train": TrainConfig, "generation": GenerationConfig, "runtime": RuntimeConfig}
+SECTIONS = {
+    "data": DataConfig,
+    "train": TrainConfig,
+    "generation": GenerationConfig,
+    "runtime": RuntimeConfig,
+    "sdafl": SdaflConfig,
+}
 
 
 def _build(cls: type, values: dict[str, Any], where: str) -> Any:

@@ -1,0 +1,71 @@
+"""`fedsynth client`: one process hosting one (default) or several logical clients."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from pathlib import Path
+
+import torch
+
+from client_node.metrics import ClientMetrics
+from client_node.node import NodeOptions, run_clients
+from fedsynth.errors import ConfigError
+from fedsynth.metrics import serve_metrics
+from fedsynth.runtime import setup_logging, write_atomic
+
+log = logging.getLogger("client")
+
+
+def parse_ids(text: str) -> list[int]:
+    """'3' -> [3]; '0-4' -> [0..4]; '0,2,5-6' -> [0, 2, 5, 6]."""
+    ids: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, sep, hi = part.strip().partition("-")
+            ids.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+    except ValueError:
+        raise ConfigError(f"--clients expects ids like 3, 0-4 or 0,2,5-6; got {text!r}") from None
+    if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+        raise ConfigError(f"--clients must name distinct ids >= 0, got {text!r}")
+    return ids
+
+
+def check_address(flag: str, value: str | None) -> None:
+    if value is None:
+        return
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{flag} expects HOST:PORT, got {value!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="the coordinator's address")
+    parser.add_argument("--clients", default="0", help="logical client ids this process hosts: 3, 0-4 or 0,2,5-6")
+    parser.add_argument("--generator", metavar="HOST:PORT", help="the generator service (needed by generation policies)")
+    parser.add_argument("--cache-dir", default="fedsynth-cache", help="folder of the persistent synthetic-image cache")
+    parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of this process")
+    parser.add_argument("--reconnect-timeout", type=float, default=300.0, help="give up after the coordinator is unreachable this long (s)")
+    parser.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port; 0 picks a free one, -1 disables")
+    parser.add_argument("--metrics-port-file", help="write the bound metrics port to this file")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging("client", args.log_level)
+    ids = parse_ids(args.clients)
+    check_address("--coordinator", args.coordinator)
+    check_address("--generator", args.generator)
+    if args.torch_threads < 1:
+        raise ConfigError(f"--torch-threads must be >= 1, got {args.torch_threads}")
+    torch.set_num_threads(args.torch_threads)
+    port = serve_metrics(args.metrics_port)
+    if port is not None and args.metrics_port_file:
+        write_atomic(Path(args.metrics_port_file), str(port))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    options = NodeOptions(coordinator=args.coordinator, generator=args.generator, cache_dir=Path(args.cache_dir), reconnect_timeout_s=args.reconnect_timeout)
+    return run_clients(ids, options, ClientMetrics(), stop)

@@ -1,0 +1,301 @@
+"""One logical client: register, wait for pushed tasks, generate once, train, upload; reconnect when the link drops."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+import torch
+
+from client_node.metrics import ClientMetrics
+from client_node.sdafl_client import ensure_samples, upload
+from client_node.synthesis import SyntheticSet, synthesize
+from fedsynth import codec, grpcutil
+from fedsynth.algorithms.base import snapshot_state
+from fedsynth.allocation import fedeas_client_budget
+from fedsynth.assembly import algorithm_for, client_shard, local_train_config, round_generator
+from fedsynth.config import RunConfig, from_json
+from fedsynth.errors import FedsynthError, WireError
+from fedsynth.models import build_model
+from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_OK
+from fedsynth.training import TrainData, images_to_tensor
+from fedsynth.v1 import coordinator_pb2 as pb
+from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+RPC_TIMEOUT_S = 30.0
+SUBSCRIBE_TIMEOUT_S = 3600.0  # the dispatch stream is renewed after an hour; keepalive notices a dead peer much sooner
+
+
+@dataclass(frozen=True)
+class NodeOptions:
+    coordinator: str
+    generator: str | None
+    cache_dir: Path
+    reconnect_timeout_s: float = 300.0
+    credentials: grpc.ChannelCredentials | None = None
+
+
+@dataclass
+class ClientState:
+    """What a client keeps across rounds and reconnections."""
+
+    cfg: RunConfig
+    real_x: np.ndarray
+    real_y: np.ndarray
+    data: TrainData | None = None
+    synthetic: SyntheticSet | None = None
+    algorithm_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    shared_images: np.ndarray | None = None  # SDA-FL: the coordinator's synthetic set, received once
+    shared_digest: str = ""
+
+
+class RunEnded(Exception):
+    def __init__(self, success: bool, reason: str) -> None:
+        super().__init__(reason)
+        self.success = success
+
+
+class LogicalClient:
+    def __init__(self, client_id: int, options: NodeOptions, metrics: ClientMetrics, stop: threading.Event) -> None:
+        self.client_id = client_id
+        self.options = options
+        self.metrics = metrics
+        self.stop = stop
+        self.state: ClientState | None = None
+        self._stream: grpc.Future | None = None
+
+    def cancel(self) -> None:
+        """Break out of a blocking dispatch stream (used on SIGTERM)."""
+        stream = self._stream
+        if stream is not None:
+            stream.cancel()
+
+    def run(self) -> int:
+        channel = grpcutil.make_channel(self.options.coordinator, self.options.credentials)
+        stub = pb_grpc.CoordinatorStub(channel)
+        lost_since: float | None = None
+        try:
+            while not self.stop.is_set():
+                try:
+                    self._session(stub)
+                except RunEnded as ended:
+                    log.info("client %d: run over (%s)", self.client_id, ended)
+                    return EXIT_OK if ended.success else EXIT_BELOW_QUORUM
+                except grpc.RpcError as exc:
+                    if self.stop.is_set():
+                        break
+                    code = exc.code() if isinstance(exc, grpc.Call) else None
+                    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                        log.error("client %d: refused by the coordinator: %s", self.client_id, exc.details())
+                        return EXIT_ERROR
+                    lost_since = lost_since or time.monotonic()
+                    if time.monotonic() - lost_since > self.options.reconnect_timeout_s:
+                        log.error("client %d: coordinator unreachable for %.0fs; giving up", self.client_id, self.options.reconnect_timeout_s)
+                        return EXIT_ERROR
+                    log.info("client %d: link lost (%s: %s); reconnecting", self.client_id, code, exc.details() if isinstance(exc, grpc.Call) else exc)
+                    self.metrics.reconnects.inc()
+                    self.stop.wait(np.random.default_rng().uniform(0.1, 1.0))
+                else:
+                    lost_since = None
+            return EXIT_OK
+        finally:
+            channel.close()
+
+    # ---- one registration session -------------------------------------------------------------
+
+    def _session(self, stub: pb_grpc.CoordinatorStub) -> None:
+        spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=RPC_TIMEOUT_S, wait_for_ready=True)
+        if self.state is None:
+            self.state = self._prepare(from_json(spec.config_json))
+        cfg = self.state.cfg
+        counts = np.bincount(self.state.real_y, minlength=self.num_classes)
+        reply = stub.Register(
+            pb.RegisterRequest(
+                client_id=self.client_id,
+                num_samples=len(self.state.real_y),
+                fedeas_budget=fedeas_client_budget(counts, cfg.generation.beta) if cfg.generation.policy != "none" else 0,
+                missing_classes=[int(c) for c in np.flatnonzero(counts == 0)] if cfg.generation.policy == "missing" else [],
+                run_id=spec.run_id,
+                synthetic_digest=self.state.shared_digest,
+            ),
+            timeout=RPC_TIMEOUT_S,
+        )
+        if cfg.train.algorithm == "sdafl" and not reply.synthetic_uploaded:
+            images, privacy = ensure_samples(
+                cfg, self.client_id, self.state.real_x, self.options.cache_dir,
+                timeout_s=cfg.runtime.registration_timeout_s, torch_threads=torch.get_num_threads(),
+            )
+            upload(stub, self.client_id, reply.session, images, privacy, timeout_s=RPC_TIMEOUT_S * 4)
+        log.info("client %d: registered (N_k=%d, %d rounds done)", self.client_id, len(self.state.real_y), reply.completed_rounds)
+        stream = stub.Subscribe(pb.SubscribeRequest(client_id=self.client_id, session=reply.session), timeout=SUBSCRIBE_TIMEOUT_S)
+        self._stream = stream
+        try:
+            for message in stream:
+                kind = message.WhichOneof("kind")
+                if kind == "heartbeat":
+                    continue
+                if kind == "finished":
+                    raise RunEnded(message.finished.success, message.finished.reason)
+                if kind != "task":
+                    raise WireError(f"expected a task header, got {kind}")
+                self._do_task(stub, reply.session, message.task, stream)
+        except grpc.RpcError as exc:
+            if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return  # renew the dispatch stream
+            raise
+        finally:
+            self._stream = None
+            stream.cancel()
+
+    def _prepare(self, cfg: RunConfig) -> ClientState:
+        shard = client_shard(cfg, self.client_id)
+        self.model = build_model(cfg.train.model, num_classes=shard.num_classes, in_channels=shard.image_shape[0], image_size=shard.image_shape[1])
+        self.algorithm = algorithm_for(cfg)
+        self.num_classes = shard.num_classes
+        return ClientState(cfg, shard.x, shard.y)
+
+    # ---- one task ------------------------------------------------------------------------------
+
+    def _receive_payload(self, task: pb.Task, stream: Iterator[pb.ServerMessage]) -> dict[str, dict[str, torch.Tensor]]:
+        def chunks() -> Iterator[tuple[int, bytes]]:
+            received = 0
+            while received < task.payload.num_chunks:
+                message = next(stream)
+                if message.WhichOneof("kind") == "heartbeat":
+                    continue
+                if message.WhichOneof("kind") != "chunk":
+                    raise WireError(f"expected payload chunk {received}, got {message.WhichOneof('kind')}")
+                received += 1
+                yield message.chunk.seq, message.chunk.data
+
+        meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
+        data = codec.assemble(meta, chunks())
+        self.metrics.bytes_received.inc(len(data))
+        return codec.split_prefixed(codec.decode(data))
+
+    def _do_task(self, stub: pb_grpc.CoordinatorStub, session: str, task: pb.Task, stream: Iterator[pb.ServerMessage]) -> None:
+        assert self.state is not None
+        cfg = self.state.cfg
+        groups = self._receive_payload(task, stream)
+        global_state = groups.get("model", {})
+        codec.check_like(global_state, snapshot_state(self.model), what="global model from the coordinator")
+        self.model.load_state_dict(global_state)
+
+        generation_report = None
+        if self.state.data is None:
+            started = time.monotonic()
+            self.state.synthetic = synthesize(
+                cfg, self.client_id, self.state.real_y, self.num_classes, list(task.generation_quota), self.options, self.metrics
+            )
+            x, y = self.state.real_x, self.state.real_y
+            if self.state.synthetic.count:
+                x = np.concatenate([x, self.state.synthetic.x])
+                y = np.concatenate([y, self.state.synthetic.y])
+            self.state.data = TrainData(images_to_tensor(x), torch.as_tensor(y, dtype=torch.int64))
+            self.metrics.images_held.inc(self.state.synthetic.count)
+            wall = time.monotonic() - started
+            generation_report = pb.GenerationReport(
+                images=self.state.synthetic.count,
+                wall_seconds=wall,
+                device_seconds=self.state.synthetic.device_seconds,
+                cache_hit=self.state.synthetic.cache_hit,
+            )
+
+        started = time.monotonic()
+        update = self.algorithm.client_update(
+            model=self.model,
+            data=self.state.data,
+            cfg=local_train_config(cfg),
+            server_extra={**groups.get("extra", {}), **self._shared_synthetic(groups.get("synthetic"))},
+            client_state=self.state.algorithm_state,
+            generator=round_generator(cfg, self.client_id, task.round),
+        )
+        train_seconds = time.monotonic() - started
+        self.state.algorithm_state = update.client_state
+        self.metrics.train_seconds.observe(train_seconds)
+        self.metrics.samples_per_second.set(update.num_steps * cfg.train.batch_size / max(train_seconds, 1e-9))
+
+        payload = codec.encode(codec.join_prefixed(model=update.state, extra=update.extra))
+        meta = codec.describe(payload)
+        header = pb.UpdateHeader(
+            client_id=self.client_id,
+            session=session,
+            round=task.round,
+            task_id=task.task_id,
+            payload=pb.Payload(total_bytes=meta.total_bytes, sha256=meta.sha256, num_chunks=meta.num_chunks),
+            train_seconds=train_seconds,
+            train_loss=update.train_loss,
+            num_steps=update.num_steps,
+            train_samples=len(self.state.data),
+            generation=generation_report,
+        )
+
+        def messages() -> Iterator[pb.UpdateChunk]:
+            yield pb.UpdateChunk(header=header)
+            for seq, data in codec.split(payload):
+                yield pb.UpdateChunk(chunk=pb.Chunk(seq=seq, data=data))
+
+        grpcutil.call_with_retry(
+            lambda: stub.SubmitUpdate(messages(), timeout=max(RPC_TIMEOUT_S, task.deadline_s)),
+            deadline_s=max(RPC_TIMEOUT_S, task.deadline_s),
+            what=f"client {self.client_id} submit",
+        )
+        self.metrics.bytes_sent.inc(len(payload))
+        self.metrics.rounds.inc()
+        log.info("client %d: round %d done (%.1fs training, loss %.4f)", self.client_id, task.round, train_seconds, update.train_loss)
+
+
+    def _shared_synthetic(self, group: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """SDA-FL: keep the shared images (sent once), apply this round's labels; labelled samples only."""
+        if group is None:
+            return {}
+        assert self.state is not None
+        if "images" in group:
+            self.state.shared_images = group["images"].numpy()
+            self.state.shared_digest = bytes(group["digest"].tolist()).hex()
+        if self.state.shared_images is None:
+            raise WireError("the task carries synthetic labels but this client never received the synthetic images")
+        labels = group["labels"].numpy()
+        if len(labels) != len(self.state.shared_images):
+            raise WireError(f"{len(labels)} synthetic labels for {len(self.state.shared_images)} images")
+        keep = labels >= 0
+        return {
+            "synthetic_x": images_to_tensor(self.state.shared_images[keep]),
+            "synthetic_y": torch.as_tensor(labels[keep], dtype=torch.int64),
+        }
+
+
+def run_clients(client_ids: list[int], options: NodeOptions, metrics: ClientMetrics, stop: threading.Event) -> int:
+    """Run several logical clients in one process, each in its own thread; the worst exit code wins."""
+    codes: dict[int, int] = {}
+
+    clients = [LogicalClient(cid, options, metrics, stop) for cid in client_ids]
+
+    def _one(client: LogicalClient) -> None:
+        cid = client.client_id
+        try:
+            codes[cid] = client.run()
+        except FedsynthError as exc:
+            log.error("client %d: %s", cid, exc)
+            codes[cid] = EXIT_ERROR
+        except Exception:
+            log.exception("client %d crashed", cid)
+            codes[cid] = EXIT_ERROR
+
+    threads = [threading.Thread(target=_one, args=(c,), name=f"client-{c.client_id}") for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(timeout=0.5)
+            if stop.is_set():
+                for client in clients:
+                    client.cancel()
+    return max(codes.values(), default=EXIT_OK)

@@ -1,0 +1,99 @@
+"""SDA-FL on the client: train the DP-GAN on the private shard (in a child process, on this machine), upload once."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedsynth import codec, grpcutil
+from fedsynth.assembly import client_seed
+from fedsynth.config import RunConfig
+from fedsynth.errors import FedsynthError
+from fedsynth.v1 import coordinator_pb2 as pb
+from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+def dpgan_fields(cfg: RunConfig, client_id: int) -> dict[str, Any]:
+    s = cfg.sdafl
+    fields: dict[str, Any] = {
+        "latent_dim": s.gan_latent_dim,
+        "generator_width": s.gan_width,
+        "critic_width": s.gan_width,
+        "steps": s.gan_steps,
+        "batch_size": s.gan_batch_size,
+        "max_grad_norm": s.max_grad_norm,
+        "accountant": s.accountant,
+        "seed": client_seed(cfg, client_id, "dpgan") % (2**31),
+    }
+    if s.target_epsilon > 0:
+        fields["target_epsilon"] = s.target_epsilon
+    else:
+        fields["noise_multiplier"] = s.noise_multiplier
+    if s.delta > 0:
+        fields["delta"] = s.delta
+    return fields
+
+
+def ensure_samples(
+    cfg: RunConfig, client_id: int, real_x: np.ndarray, cache_dir: Path, *, timeout_s: float, torch_threads: int = 1
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """The client's M DP-GAN samples: from its cache when the same settings made them, else trained now."""
+    fields = dpgan_fields(cfg, client_id)
+    identity = hashlib.sha256(json.dumps([fields, cfg.sdafl.samples_per_client, real_x.shape], sort_keys=True).encode()).hexdigest()[:16]
+    folder = cache_dir / f"client-{client_id:04d}" / f"sdafl-{identity}"
+    samples, privacy = folder / "samples.npz", folder / "privacy.json"
+    if not (samples.is_file() and privacy.is_file()):
+        folder.mkdir(parents=True, exist_ok=True)
+        private = folder / ".private-shard.npz"  # readable by this user only, removed right after training
+        fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            np.savez(handle, x=real_x)
+        command = [
+            sys.executable, "-m", "fedsynth.cli", "generator", "dpgan", "--data", str(private), "--out", str(folder),
+            "--count", str(cfg.sdafl.samples_per_client), "--sample-seed", str(client_seed(cfg, client_id, "dpgan-sample") % (2**31)),
+            "--config-json", json.dumps(fields),
+        ]
+        log.info("client %d: training its DP-GAN on %d private images", client_id, len(real_x))
+        env = {**os.environ, "OMP_NUM_THREADS": str(torch_threads)}  # several clients may train at once on few cores
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False, env=env)
+        except subprocess.TimeoutExpired:
+            raise FedsynthError(f"client {client_id}: DP-GAN training took longer than {timeout_s:.0f}s; lower sdafl.gan_steps") from None
+        finally:
+            private.unlink(missing_ok=True)
+        if done.returncode != 0:
+            raise FedsynthError(f"client {client_id}: DP-GAN training failed: {done.stderr.strip().splitlines()[-1:]}")
+    with np.load(samples, allow_pickle=False) as archive:
+        images = np.ascontiguousarray(archive["x"])
+    return images, json.loads(privacy.read_text())
+
+
+def upload(stub: pb_grpc.CoordinatorStub, client_id: int, session: str, images: np.ndarray, privacy: dict[str, Any], *, timeout_s: float) -> int:
+    data = np.ascontiguousarray(images, dtype=np.uint8).tobytes()
+    meta = codec.describe(data)
+    n, h, w, c = images.shape
+    header = pb.SyntheticHeader(
+        client_id=client_id, session=session, count=n, height=h, width=w, channels=c, dtype="uint8",
+        payload=pb.Payload(total_bytes=meta.total_bytes, sha256=meta.sha256, num_chunks=meta.num_chunks),
+        epsilon=privacy["epsilon"], delta=privacy["delta"], noise_multiplier=privacy["noise_multiplier"], gan_seconds=privacy["gan_seconds"],
+    )
+
+    def messages() -> Iterator[pb.SyntheticChunk]:
+        yield pb.SyntheticChunk(header=header)
+        for seq, piece in codec.split(data):
+            yield pb.SyntheticChunk(chunk=pb.Chunk(seq=seq, data=piece))
+
+    reply = grpcutil.call_with_retry(lambda: stub.UploadSynthetic(messages(), timeout=timeout_s), deadline_s=timeout_s, what=f"client {client_id} upload")
+    log.info("client %d: uploaded %d synthetic samples (%s)", client_id, reply.stored, privacy.get("statement", ""))
+    return int(reply.stored)

@@ -1,0 +1,92 @@
+"""The client side of FedEAS (Algorithm 1): decide this client's images per class, then fill the cache once."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from client_node.metrics import ClientMetrics
+from client_node.synthetic_cache import SyntheticCache
+from fedsynth import grpcutil
+from fedsynth.allocation import fedeas_generation_row
+from fedsynth.assembly import client_seed
+from fedsynth.config import RunConfig
+from fedsynth.errors import ConfigError, WireError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SyntheticSet:
+    x: np.ndarray
+    y: np.ndarray
+    device_seconds: float
+    cache_hit: bool
+
+    @property
+    def count(self) -> int:
+        return len(self.y)
+
+
+def planned_quota(cfg: RunConfig, counts: np.ndarray, assigned: list[int]) -> np.ndarray:
+    """Images per class: computed from this client's own counts (fedeas, full) or assigned (uniform, missing)."""
+    policy = cfg.generation.policy
+    if policy == "none":
+        return np.zeros(len(counts), dtype=np.int64)
+    if policy == "fedeas":
+        return fedeas_generation_row(counts, cfg.generation.beta)
+    if policy == "full":
+        return (counts.max() - counts).astype(np.int64)
+    if len(assigned) != len(counts):
+        raise WireError(f"policy {policy!r} needs a quota of {len(counts)} classes from the coordinator, got {len(assigned)}")
+    return np.asarray(assigned, dtype=np.int64)
+
+
+def synthesize(
+    cfg: RunConfig,
+    client_id: int,
+    real_y: np.ndarray,
+    num_classes: int,
+    assigned: list[int],
+    options,
+    metrics: ClientMetrics,
+) -> SyntheticSet:
+    counts = np.bincount(real_y, minlength=num_classes)
+    quota = planned_quota(cfg, counts, assigned)
+    if quota.sum() == 0:
+        return SyntheticSet(np.zeros((0, 1, 1, 1), np.uint8), np.zeros(0, np.int64), 0.0, False)
+    if options.generator is None:
+        raise ConfigError(f"policy {cfg.generation.policy!r} needs a generator service (--generator HOST:PORT)")
+    from fedsynth.generator_client import fetch_images, generator_info
+
+    channel = grpcutil.make_channel(options.generator, options.credentials)
+    try:
+        info = generator_info(channel, timeout_s=60.0)
+        seed = client_seed(cfg, client_id, "generation")
+        identity = {"model_id": info.model_id, "seed": seed, "image_shape": list(info.image_shape)}
+        cache = SyntheticCache(options.cache_dir / f"client-{client_id:04d}", identity=identity, num_classes=num_classes)
+        missing = np.maximum(quota - cache.have, 0)
+        device_seconds = 0.0
+        if missing.sum() > 0:
+            started = time.monotonic()
+            metrics.images_requested.inc(int(missing.sum()))
+
+            def on_batch(class_id: int, first: int, images: np.ndarray) -> None:
+                cache.append(class_id, first, images)
+                metrics.images_received.inc(len(images))
+
+            device_seconds = fetch_images(
+                channel, missing, seed=seed, offsets=cache.have.copy(), on_batch=on_batch, timeout_s=cfg.runtime.round_timeout_s
+            )
+            metrics.generation_seconds.observe(time.monotonic() - started)
+            log.info("client %d: generated %d images in %.1fs", client_id, int(missing.sum()), time.monotonic() - started)
+        else:
+            metrics.cache_hits.inc()
+            log.info("client %d: all %d synthetic images from the cache", client_id, int(quota.sum()))
+        x, y = cache.images(quota)
+    finally:
+        channel.close()
+    return SyntheticSet(x, y, device_seconds, cache_hit=bool(missing.sum() == 0))

@@ -1,0 +1,1 @@
+"""The coordinator process: registration, rounds, sampling, aggregation, evaluation and checkpoints."""

@@ -1,0 +1,63 @@
+"""Atomic checkpoints: one safetensors file holding the global model, the server state and a JSON record."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from fedsynth.codec import join_prefixed, split_prefixed
+
+FILE_NAME = "checkpoint.safetensors"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    completed_rounds: int
+    global_state: dict[str, torch.Tensor]
+    server_state: dict[str, torch.Tensor]
+    record: dict[str, Any]  # fingerprint, RNG state, round history, client reports
+    synthetic: dict[str, torch.Tensor] = field(default_factory=dict)  # SDA-FL's shared set and its labels
+
+
+def save(folder: Path, ckpt: Checkpoint) -> Path:
+    """Write to a temporary file in the same folder, fsync, then os.replace: a crash leaves the old file whole."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = join_prefixed(model=ckpt.global_state, server=ckpt.server_state, synthetic=ckpt.synthetic)
+    meta = {"completed_rounds": str(ckpt.completed_rounds), "record": json.dumps(ckpt.record)}
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".checkpoint-", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        target = folder / FILE_NAME
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def load(folder: Path) -> Checkpoint | None:
+    path = folder / FILE_NAME
+    if not path.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        meta = handle.metadata() or {}
+    groups = split_prefixed(load_file(str(path)))
+    return Checkpoint(
+        completed_rounds=int(meta["completed_rounds"]),
+        global_state=groups.get("model", {}),
+        server_state=groups.get("server", {}),
+        record=json.loads(meta["record"]),
+        synthetic=groups.get("synthetic", {}),
+    )

@@ -1,0 +1,92 @@
+"""`fedsynth coordinator`: serve the Coordinator service and drive the rounds of one run."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+from pathlib import Path
+
+from coordinator.federation import Federation
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
+from fedsynth import grpcutil
+from fedsynth.config import load_config
+from fedsynth.errors import QuorumError
+from fedsynth.metrics import serve_metrics
+from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_OK, setup_logging, write_atomic, write_json
+from fedsynth.v1 import coordinator_pb2_grpc
+
+log = logging.getLogger("coordinator")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="run config (TOML); without it the embedded default")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value, e.g. train.rounds=5")
+    parser.add_argument("--out-dir", help="run folder for the checkpoint and coordinator.json (default: the config's out_dir)")
+    parser.add_argument("--host", default=None, help="address to bind (default: the config's runtime.host, 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="port to bind; 0 picks a free one (default: runtime.coordinator_port)")
+    parser.add_argument("--port-file", help="write the bound port to this file once serving")
+    parser.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port; 0 picks a free one, -1 disables")
+    parser.add_argument("--metrics-port-file", help="write the bound metrics port to this file")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging("coordinator", args.log_level)
+    cfg = load_config(args.config, args.set)
+    out_dir = Path(args.out_dir or cfg.out_dir)
+    host = args.host or cfg.runtime.host
+    port = cfg.runtime.coordinator_port if args.port is None else args.port
+    metrics_port = serve_metrics(args.metrics_port)
+    if metrics_port is not None and args.metrics_port_file:
+        write_atomic(Path(args.metrics_port_file), str(metrics_port))
+    federation = Federation(cfg, out_dir, CoordinatorMetrics())
+
+    server = grpcutil.make_server(max_workers=max(16, 2 * cfg.data.clients + 8))
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(federation, cfg.runtime.heartbeat_s), server)
+    health = grpcutil.add_health(server, SERVICE_NAME)
+    bound = grpcutil.bind(server, f"{host}:{port}")
+    server.start()
+    grpcutil.set_serving(health, SERVICE_NAME)
+    stopped = grpcutil.stop_on_signals(server, health)
+    log.info("coordinator serving on %s:%d (run %s, resuming after round %d)", host, bound, federation.run_id, federation.completed)
+    if args.port_file:
+        write_atomic(Path(args.port_file), str(bound))
+
+    outcome: dict[str, object] = {}
+
+    def _drive() -> None:
+        try:
+            federation.run()
+            outcome["code"] = EXIT_OK
+        except QuorumError as exc:
+            log.error("%s", exc)
+            outcome.update(code=EXIT_BELOW_QUORUM, error=str(exc))
+
+    driver = threading.Thread(target=_drive, name="rounds", daemon=True)
+    driver.start()
+    while driver.is_alive() and not stopped.is_set():
+        driver.join(timeout=0.5)
+    if stopped.is_set():
+        log.info("stopped by signal after round %d (checkpoint kept)", federation.completed)
+        return 143
+    federation.drain(timeout_s=10.0)
+    write_json(
+        out_dir / "coordinator.json",
+        {
+            "run_id": federation.run_id,
+            "config": cfg.to_dict(),
+            "initial": federation.initial,
+            "rounds": federation.history,
+            "generation": {str(k): v for k, v in sorted(federation.generation_reports().items())},
+            "sdafl": federation.sdafl.privacy_report() if federation.sdafl is not None else None,
+            "success": outcome.get("code") == EXIT_OK,
+            "error": outcome.get("error"),
+            "finished_unix": time.time(),
+        },
+    )
+    health.enter_graceful_shutdown()
+    server.stop(grace=2.0).wait(5.0)
+    return int(outcome.get("code", EXIT_BELOW_QUORUM))

@@ -1,0 +1,48 @@
+"""Prometheus metrics of the coordinator: rounds, phases, bytes, clients, global accuracy and loss."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from fedsynth.metrics import DURATION_BUCKETS
+
+
+class CoordinatorMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        kw: dict[str, Any] = {"registry": registry} if registry is not None else {}
+        self.rounds_completed = Counter("fedsynth_coordinator_rounds_completed_total", "Rounds aggregated and evaluated", **kw)
+        self.round_duration = Histogram(
+            "fedsynth_coordinator_round_duration_seconds", "Wall-clock of a whole round", buckets=DURATION_BUCKETS, **kw
+        )
+        self.phase_duration = Histogram(
+            "fedsynth_coordinator_round_phase_seconds",
+            "Wall-clock of one phase of a round (dispatch, waiting, aggregation, evaluation, ...)",
+            ["phase"],
+            buckets=DURATION_BUCKETS,
+            **kw,
+        )
+        self.bytes_sent = Counter("fedsynth_coordinator_sent_bytes_total", "Payload bytes pushed to clients", **kw)
+        self.bytes_received = Counter("fedsynth_coordinator_received_bytes_total", "Payload bytes of accepted updates", **kw)
+        self.rejected_updates = Counter(
+            "fedsynth_coordinator_rejected_updates_total", "Updates refused, by gRPC status code", ["code"], **kw
+        )
+        self.clients_registered = Gauge("fedsynth_coordinator_clients_registered", "Clients registered", **kw)
+        self.clients_connected = Gauge("fedsynth_coordinator_clients_connected", "Clients with an open dispatch stream", **kw)
+        self.clients_participating = Gauge(
+            "fedsynth_coordinator_clients_participating", "Clients whose update entered the last round", **kw
+        )
+        self.accuracy = Gauge("fedsynth_coordinator_global_accuracy", "Test accuracy of the global model", **kw)
+        self.loss = Gauge("fedsynth_coordinator_global_loss", "Test loss of the global model", **kw)
+        self.current_round = Gauge("fedsynth_coordinator_round", "Last completed round", **kw)
+
+    def observe_round(self, summary: dict[str, Any]) -> None:
+        self.rounds_completed.inc()
+        self.round_duration.observe(summary["duration_s"])
+        for phase, seconds in summary["phases_s"].items():
+            self.phase_duration.labels(phase=phase).observe(seconds)
+        self.clients_participating.set(len(summary["participants"]))
+        self.accuracy.set(summary["accuracy"])
+        self.loss.set(summary["loss"])
+        self.current_round.set(summary["round"])

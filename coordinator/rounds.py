@@ -1,0 +1,62 @@
+"""Per-round bookkeeping: who was sampled, who answered, the streaming aggregate and the phase timings."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from fedsynth.algorithms.base import Aggregator
+from fedsynth.codec import PayloadMeta
+
+
+@dataclass
+class RoundInProgress:
+    number: int
+    task_id: str
+    sampled: list[int]
+    payload: bytes
+    meta: PayloadMeta
+    aggregator: Aggregator
+    deadline_s: float
+    need: int
+    started: float = field(default_factory=time.monotonic)
+    answered: dict[int, dict[str, float]] = field(default_factory=dict)
+    delivered: dict[int, float] = field(default_factory=dict)  # client -> seconds until its payload was sent
+    aggregation_s: float = 0.0
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    global_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    payload_with_images: bytes | None = None  # SDA-FL: the task for clients that lack the shared images
+
+    @property
+    def pending(self) -> set[int]:
+        return set(self.sampled) - set(self.answered)
+
+    @property
+    def expired(self) -> bool:
+        return time.monotonic() - self.started >= self.deadline_s
+
+
+def quorum_size(sampled: int, quorum: float) -> int:
+    """Answers needed to close a round: ceil(quorum * sampled), at least 1."""
+    return max(1, math.ceil(quorum * sampled - 1e-9))
+
+
+def round_phases(rnd: RoundInProgress, closed_at: float, evaluation_s: float) -> dict[str, float]:
+    """Wall-clock split of one round. Communication is waiting time not explained by the slowest client's work."""
+    waited = closed_at - rnd.started
+    slowest_train = max((a["train_seconds"] for a in rnd.answered.values()), default=0.0)
+    slowest_generation = max((a["generation_seconds"] for a in rnd.answered.values()), default=0.0)
+    dispatch = max(rnd.delivered.values(), default=0.0)
+    return {
+        "dispatch": dispatch,
+        "waiting": waited,
+        "generation": slowest_generation,
+        "training": slowest_train,
+        "communication": max(0.0, waited - slowest_train - slowest_generation),
+        "aggregation": rnd.aggregation_s,
+        "evaluation": evaluation_s,
+    }

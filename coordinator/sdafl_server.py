@@ -1,0 +1,146 @@
+"""SDA-FL's coordinator hooks: collect uploads, attach the labelled synthetic set to tasks, pseudo-label, fine-tune."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from coordinator.synthetic_pool import UNLABELLED, SyntheticPool, mixup_finetune
+from fedsynth import codec
+from fedsynth.config import RunConfig
+from fedsynth.data import ArrayDataset, load_dataset
+from fedsynth.errors import QuorumError, WireError
+
+log = logging.getLogger(__name__)
+REFERENCE_MAX_SAMPLES = 10_000
+
+
+class ReferenceClassifier:
+    """A centrally trained logistic regression on the real training split. It stands in for the 'true class'
+    of unlabelled GAN samples when the harness reports pseudo-label agreement; it is never used for training."""
+
+    def __init__(self, train: ArrayDataset, seed: int) -> None:
+        from sklearn.linear_model import LogisticRegression
+
+        rng = np.random.default_rng(seed)
+        keep = rng.permutation(len(train.y))[:REFERENCE_MAX_SAMPLES]
+        self.model = LogisticRegression(max_iter=300)
+        self.model.fit(self._features(train.x[keep]), train.y[keep])
+
+    @staticmethod
+    def _features(x: np.ndarray) -> np.ndarray:
+        return x.reshape(len(x), -1).astype(np.float32) / 255.0
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        return self.model.predict(self._features(x))
+
+
+class SdaflServer:
+    def __init__(self, cfg: RunConfig, image_shape_chw: tuple[int, int, int], num_classes: int) -> None:
+        c, h, w = image_shape_chw
+        self.cfg = cfg
+        self.pool = SyntheticPool(image_shape=(h, w, c), num_classes=num_classes, max_per_client=cfg.sdafl.samples_per_client, tau=cfg.sdafl.tau)
+        self.reference: ReferenceClassifier | None = None
+        if cfg.sdafl.track_agreement:
+            train = load_dataset(cfg.data.dataset, "train", data_dir=cfg.data.data_dir, download=cfg.data.download)
+            self.reference = ReferenceClassifier(train, cfg.seed)
+        self._lock = threading.Condition()
+
+    # ---- uploads ---------------------------------------------------------------------------------
+
+    def accept_upload(self, client_id: int, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]]) -> int:
+        shape = (header["height"], header["width"], header["channels"])
+        with self._lock:
+            self.pool.check_header(client_id, header["count"], shape, header["dtype"])
+        expected = header["count"] * int(np.prod(shape))
+        if header["total_bytes"] != expected:
+            raise WireError(f"synthetic upload announces {header['total_bytes']} bytes; {header['count']} images of {shape} are {expected}")
+        meta = codec.PayloadMeta(header["total_bytes"], header["sha256"], header["num_chunks"])
+        data = codec.assemble(meta, chunks, max_bytes=expected)
+        images = np.frombuffer(data, dtype=np.uint8).reshape(header["count"], *shape).copy()
+        privacy = {k: float(header[k]) for k in ("epsilon", "delta", "noise_multiplier", "gan_seconds")}
+        with self._lock:
+            self.pool.check_header(client_id, header["count"], shape, header["dtype"])  # a concurrent duplicate lost the race
+            self.pool.add(client_id, images, privacy)
+            self._lock.notify_all()
+        log.info("client %d uploaded %d synthetic samples (epsilon %.2f, delta %.1e)", client_id, len(images), privacy["epsilon"], privacy["delta"])
+        return len(images)
+
+    def uploaded(self, client_id: int) -> bool:
+        with self._lock:
+            return client_id in self.pool.uploads
+
+    def await_uploads(self, registered: list[int], *, timeout_s: float, need: int) -> None:
+        stop_at = time.monotonic() + timeout_s
+        with self._lock:
+            while len(self.pool.uploads) < len(registered) and time.monotonic() < stop_at:
+                self._lock.wait(timeout=0.5)
+            if len(self.pool.uploads) < need:
+                raise QuorumError(f"only {len(self.pool.uploads)} of {len(registered)} clients uploaded synthetic samples within {timeout_s:.0f}s")
+
+    # ---- per round -------------------------------------------------------------------------------
+
+    def task_groups(self, *, with_images: bool) -> dict[str, torch.Tensor]:
+        """The labelled synthetic set for a task: labels every round, images only for clients that lack them."""
+        with self._lock:
+            out = {"labels": torch.from_numpy(self.pool.all_labels()), "digest": torch.frombuffer(bytearray(bytes.fromhex(self.pool.digest())), dtype=torch.uint8)}
+            if with_images:
+                out["images"] = torch.from_numpy(self.pool.images())
+        return out
+
+    def digest(self) -> str:
+        with self._lock:
+            return self.pool.digest()
+
+    def pseudo_labels(self, client_id: int, model: nn.Module) -> np.ndarray:
+        return self.pool.pseudo_label(client_id, model)
+
+    def commit_labels(self, client_id: int, labels: np.ndarray) -> None:
+        with self._lock:
+            self.pool.set_labels(client_id, labels)
+
+    def after_aggregation(self, model: nn.Module, round_number: int) -> dict[str, Any]:
+        """Fine-tune the new global model on the labelled synthetic set; report coverage and agreement."""
+        s = self.cfg.sdafl
+        with self._lock:
+            images, labels = self.pool.labelled()
+            coverage = self.pool.coverage()
+        started = time.monotonic()
+        loss = mixup_finetune(
+            model, images, labels, steps=s.server_steps, lr=s.server_lr, batch_size=s.server_batch_size,
+            alpha=s.mixup_alpha, seed=self.cfg.seed * 100_003 + round_number,
+        )
+        agreement = None
+        if self.reference is not None and len(labels):
+            agreement = float((self.reference.predict(images) == labels).mean())
+        return {
+            "pseudo_label_coverage": coverage,
+            "pseudo_labelled": int(len(labels)),
+            "pseudo_label_agreement": agreement,
+            "server_finetune_loss": loss if np.isfinite(loss) else None,
+            "server_finetune_seconds": time.monotonic() - started,
+        }
+
+    # ---- checkpoint ------------------------------------------------------------------------------
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        with self._lock:
+            return self.pool.to_tensors(), self.pool.privacy_record()
+
+    def restore(self, tensors: dict[str, torch.Tensor], record: dict[str, Any]) -> None:
+        with self._lock:
+            self.pool.restore(tensors, record)
+
+    def privacy_report(self) -> dict[str, Any]:
+        with self._lock:
+            return self.pool.privacy_record()
+
+
+__all__ = ["SdaflServer", "UNLABELLED"]

@@ -1,0 +1,178 @@
+"""Thin gRPC servicer: validate the message shape, call the federation, map domain errors to status codes."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from coordinator.federation import Federation, Finished, TaskDelivery
+from fedsynth import codec
+from fedsynth.errors import StateError, WireError
+from fedsynth.v1 import coordinator_pb2 as pb
+from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "fedsynth.v1.Coordinator"
+
+
+def _abort_for(context: grpc.ServicerContext, exc: Exception) -> None:
+    code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, WireError) else grpc.StatusCode.FAILED_PRECONDITION
+    context.abort(code, str(exc))
+
+
+def _task_messages(item: TaskDelivery) -> Iterator[pb.ServerMessage]:
+    meta = pb.Payload(total_bytes=item.meta.total_bytes, sha256=item.meta.sha256, num_chunks=item.meta.num_chunks)
+    task = pb.Task(round=item.round, task_id=item.task_id, deadline_s=item.deadline_s, generation_quota=item.quota, payload=meta)
+    yield pb.ServerMessage(task=task)
+    for seq, data in codec.split(item.payload):
+        yield pb.ServerMessage(chunk=pb.Chunk(seq=seq, data=data))
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    def __init__(self, federation: Federation, heartbeat_s: float) -> None:
+        self.federation = federation
+        self.heartbeat_s = heartbeat_s
+
+    def GetRunSpec(self, request: pb.GetRunSpecRequest, context: grpc.ServicerContext) -> pb.RunSpec:
+        from fedsynth.config import to_json
+
+        fed = self.federation
+        return pb.RunSpec(run_id=fed.run_id, config_json=to_json(fed.cfg), num_clients=fed.cfg.data.clients)
+
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
+        try:
+            session = self.federation.register(
+                request.client_id,
+                request.num_samples,
+                request.fedeas_budget,
+                request.missing_classes,
+                request.run_id,
+                request.synthetic_digest,
+            )
+        except (WireError, StateError) as exc:
+            _abort_for(context, exc)
+        sdafl = self.federation.sdafl
+        return pb.RegisterReply(
+            session=session,
+            completed_rounds=self.federation.completed,
+            synthetic_uploaded=sdafl is not None and sdafl.uploaded(request.client_id),
+        )
+
+    def Subscribe(self, request: pb.SubscribeRequest, context: grpc.ServicerContext) -> Iterator[pb.ServerMessage]:
+        try:
+            outbox = self.federation.open_stream(request.client_id, request.session)
+        except StateError as exc:
+            _abort_for(context, exc)
+        context.add_callback(lambda: self.federation.close_stream(request.client_id, outbox))
+        while context.is_active():
+            try:
+                item = outbox.get(timeout=self.heartbeat_s)
+            except queue.Empty:
+                yield pb.ServerMessage(heartbeat=pb.Heartbeat(unix_time=time.time()))
+                continue
+            if item is None:  # superseded by a newer stream of the same client
+                return
+            if isinstance(item, Finished):
+                yield pb.ServerMessage(finished=pb.RunFinished(reason=item.reason, success=item.success))
+                return
+            yield from _task_messages(item)
+            self.federation.mark_delivered(request.client_id, item.task_id, item.meta.total_bytes)
+            self.federation.metrics.bytes_sent.inc(item.meta.total_bytes)
+
+    def SubmitUpdate(self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext) -> pb.SubmitReply:
+        try:
+            first = next(request_iterator, None)
+            if first is None or first.WhichOneof("kind") != "header":
+                raise WireError("an update stream must start with an UpdateHeader")
+            h = first.header
+            header = {
+                "client_id": h.client_id,
+                "session": h.session,
+                "round": h.round,
+                "task_id": h.task_id,
+                "total_bytes": h.payload.total_bytes,
+                "sha256": h.payload.sha256,
+                "num_chunks": h.payload.num_chunks,
+                "train_seconds": h.train_seconds,
+                "train_loss": h.train_loss,
+                "generation": (
+                    {
+                        "images": h.generation.images,
+                        "wall_seconds": h.generation.wall_seconds,
+                        "device_seconds": h.generation.device_seconds,
+                        "cache_hit": h.generation.cache_hit,
+                    }
+                    if h.HasField("generation")
+                    else None
+                ),
+            }
+            self.federation.accept_update(header, self._chunks(request_iterator))
+        except (WireError, StateError) as exc:
+            code = "INVALID_ARGUMENT" if isinstance(exc, WireError) else "FAILED_PRECONDITION"
+            self.federation.metrics.rejected_updates.labels(code=code).inc()
+            log.warning("update rejected: %s", exc)
+            _abort_for(context, exc)
+        except ValueError as exc:  # e.g. the aggregator's layout checks
+            self.federation.metrics.rejected_updates.labels(code="INVALID_ARGUMENT").inc()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.SubmitReply(accepted=True)
+
+    @staticmethod
+    def _chunks(request_iterator: Iterator[pb.UpdateChunk] | Iterator[pb.SyntheticChunk]) -> Iterator[tuple[int, bytes]]:
+        for message in request_iterator:
+            if message.WhichOneof("kind") != "chunk":
+                raise WireError("a stream carries one header, then only chunks")
+            yield message.chunk.seq, message.chunk.data
+
+    def UploadSynthetic(self, request_iterator: Iterator[pb.SyntheticChunk], context: grpc.ServicerContext) -> pb.UploadReply:
+        try:
+            first = next(request_iterator, None)
+            if first is None or first.WhichOneof("kind") != "header":
+                raise WireError("a synthetic upload must start with a SyntheticHeader")
+            h = first.header
+            header = {
+                "client_id": h.client_id,
+                "session": h.session,
+                "count": h.count,
+                "height": h.height,
+                "width": h.width,
+                "channels": h.channels,
+                "dtype": h.dtype,
+                "total_bytes": h.payload.total_bytes,
+                "sha256": h.payload.sha256,
+                "num_chunks": h.payload.num_chunks,
+                "epsilon": h.epsilon,
+                "delta": h.delta,
+                "noise_multiplier": h.noise_multiplier,
+                "gan_seconds": h.gan_seconds,
+            }
+            stored = self.federation.accept_synthetic(header, self._chunks(request_iterator))
+        except (WireError, StateError) as exc:
+            log.warning("synthetic upload rejected: %s", exc)
+            _abort_for(context, exc)
+        return pb.UploadReply(stored=stored)
+
+    def WatchRounds(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.RoundSummary]:
+        q = self.federation.watch()
+        context.add_callback(lambda: self.federation.unwatch(q))
+        total = self.federation.cfg.train.rounds
+        while context.is_active():
+            try:
+                item = q.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if item.get("finished"):
+                yield pb.RoundSummary(total_rounds=total, finished=True, success=item["success"], message=item["message"])
+                return
+            yield pb.RoundSummary(
+                round=item["round"],
+                total_rounds=total,
+                accuracy=item["accuracy"],
+                loss=item["loss"],
+                duration_s=item["duration_s"],
+                participants=len(item["participants"]),
+            )

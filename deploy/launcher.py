@@ -1,0 +1,173 @@
+"""`fedsynth run`: the coordinator, the generator (when the policy needs one) and K client nodes as local processes."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from tqdm import tqdm
+
+from deploy.processes import ProcessGroup, fedsynth_command, wait_for_file
+from deploy.report import build_report, load_coordinator_record
+from fedsynth import grpcutil
+from fedsynth.config import RunConfig, load_config
+from fedsynth.errors import ConfigError
+from fedsynth.runtime import EXIT_INTERRUPTED, setup_logging, write_json
+from fedsynth.v1 import coordinator_pb2 as pb
+from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
+
+log = logging.getLogger("launcher")
+START_TIMEOUT_S = 120.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="run config (TOML); without it the embedded default (digits, 10 clients, FedEAS)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value, e.g. train.rounds=5")
+    parser.add_argument("--out-dir", help="run folder (default: the config's out_dir); an unfinished run there resumes")
+    parser.add_argument("--no-progress", action="store_true", help="log one line per round instead of a progress bar")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def _client_groups(cfg: RunConfig) -> list[str]:
+    per = cfg.runtime.clients_per_process
+    k = cfg.data.clients
+    return [f"{lo}-{min(lo + per, k) - 1}" for lo in range(0, k, per)]
+
+
+class Launcher:
+    def __init__(self, cfg: RunConfig, args: argparse.Namespace, out_dir: Path) -> None:
+        self.cfg = cfg
+        self.args = args
+        self.out_dir = out_dir
+        self.group = ProcessGroup(out_dir / "logs")
+        self.generation_setup_s = 0.0
+
+    def _config_args(self) -> list[str]:
+        config = ["--config", self.args.config] if self.args.config else []
+        return config + [item for override in self.args.set for item in ("--set", override)]
+
+    def start_generator(self) -> str | None:
+        gen = self.cfg.generation
+        if gen.policy == "none" or gen.generator is not None:
+            return gen.generator
+        from deploy.generator_setup import ensure_generator_model
+
+        started = time.monotonic()
+        model_dir = ensure_generator_model(self.cfg, self.group)
+        port_file = self.out_dir / "generator.port"
+        port_file.unlink(missing_ok=True)
+        child = self.group.start(
+            "generator",
+            fedsynth_command(
+                "generator", "serve", "--model", str(model_dir), "--host", self.cfg.runtime.host, "--port", "0",
+                "--port-file", str(port_file), "--metrics-port", "0", "--ddim-steps", str(gen.ddim_steps),
+                "--guidance", str(gen.guidance),
+            ),
+        )
+        port = wait_for_file(port_file, child, timeout_s=START_TIMEOUT_S)
+        address = f"{self.cfg.runtime.host}:{port}"
+        channel = grpcutil.make_channel(address)
+        grpcutil.wait_for_serving(channel, "fedsynth.v1.Generator", timeout_s=START_TIMEOUT_S)
+        channel.close()
+        self.generation_setup_s = time.monotonic() - started
+        return address
+
+    def start_coordinator(self) -> str:
+        port_file = self.out_dir / "coordinator.port"
+        port_file.unlink(missing_ok=True)
+        child = self.group.start(
+            "coordinator",
+            fedsynth_command(
+                "coordinator", *self._config_args(), "--out-dir", str(self.out_dir), "--port", str(self.cfg.runtime.coordinator_port),
+                "--port-file", str(port_file), "--metrics-port", "0",
+            ),
+        )
+        self.coordinator = child
+        port = wait_for_file(port_file, child, timeout_s=START_TIMEOUT_S)
+        return f"{self.cfg.runtime.host}:{port}"
+
+    def start_clients(self, coordinator: str, generator: str | None) -> None:
+        for ids in _client_groups(self.cfg):
+            command = fedsynth_command(
+                "client", "--coordinator", coordinator, "--clients", ids, "--cache-dir", str(self.out_dir / "cache"),
+                "--torch-threads", str(self.cfg.runtime.torch_threads), "--metrics-port", "0",
+            )
+            if generator:
+                command += ["--generator", generator]
+            self.group.start(f"client-{ids}", command)
+
+    def follow(self, coordinator: str) -> bool:
+        """Show progress from the coordinator's pushed round summaries; True when the run succeeded."""
+        channel = grpcutil.make_channel(coordinator)
+        stub = pb_grpc.CoordinatorStub(channel)
+        total = self.cfg.train.rounds
+        bar = tqdm(total=total, desc="rounds", unit="round", disable=self.args.no_progress, file=sys.stderr)
+        limit = self.cfg.runtime.registration_timeout_s + total * (self.cfg.runtime.round_timeout_s + 60)
+        try:
+            for summary in stub.WatchRounds(pb.WatchRequest(), timeout=limit, wait_for_ready=True):
+                if summary.finished:
+                    if not summary.success:
+                        log.error("run failed: %s", summary.message)
+                    return summary.success
+                bar.n = summary.round
+                bar.set_postfix(acc=f"{summary.accuracy:.4f}", loss=f"{summary.loss:.3f}")
+                bar.refresh()
+                if self.args.no_progress:
+                    log.info("round %d/%d accuracy %.4f loss %.4f (%.1fs)", summary.round, total, summary.accuracy, summary.loss, summary.duration_s)
+        except grpc.RpcError as exc:
+            log.error("lost the coordinator's progress stream: %s", exc.details() if isinstance(exc, grpc.Call) else exc)
+            return False
+        finally:
+            bar.close()
+            channel.close()
+        return False
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging("launcher", args.log_level)
+    cfg = load_config(args.config, args.set)
+    out_dir = Path(args.out_dir or cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / "config.json", cfg.to_dict())
+    launcher = Launcher(cfg, args, out_dir)
+    started = time.monotonic()
+    interrupted = {"flag": False}
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        interrupted["flag"] = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    try:
+        generator = launcher.start_generator()
+        coordinator = launcher.start_coordinator()
+        launcher.start_clients(coordinator, generator)
+        log.info("run folder %s; logs in %s", out_dir, launcher.group.log_dir)
+        success = launcher.follow(coordinator)
+        code = launcher.coordinator.process.wait(timeout=60)
+    except KeyboardInterrupt:
+        log.warning("interrupted: stopping every process (the checkpoint keeps completed rounds)")
+        launcher.group.stop_all()
+        return EXIT_INTERRUPTED
+    except (RuntimeError, TimeoutError) as exc:
+        launcher.group.stop_all()
+        raise ConfigError(str(exc)) from exc
+    finally:
+        launcher.group.stop_all()
+    record = load_coordinator_record(out_dir)
+    report = build_report(
+        record, wall_clock_s=time.monotonic() - started, processes=launcher.group.pids(), generation_wall_s=launcher.generation_setup_s
+    )
+    write_json(out_dir / "report.json", report)
+    if report["final_accuracy"] is not None:
+        log.info(
+            "final accuracy %.4f (last-%d mean %.4f), %d synthetic images, %.1fs wall-clock; report: %s",
+            report["final_accuracy"], min(20, len(report["rounds"])), report["last20_mean_accuracy"],
+            report["generation"]["total_images"], report["wall_clock_s"], out_dir / "report.json",
+        )
+    return code if code else (0 if success else 1)

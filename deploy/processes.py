@@ -1,0 +1,94 @@
+"""Child processes of the launcher: start with logs in the run folder, wait for a port file, stop cleanly."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM if the launcher dies, even by kill -9, so no orphan outlives a run."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def fedsynth_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "fedsynth.cli", *args]
+
+
+@dataclass
+class Child:
+    role: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+@dataclass
+class ProcessGroup:
+    log_dir: Path
+    children: list[Child] = field(default_factory=list)
+
+    def start(self, role: str, command: list[str], *, env: dict[str, str] | None = None) -> Child:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{role}.log"
+        handle = open(log_path, "ab")
+        process = subprocess.Popen(
+            command,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        handle.close()
+        child = Child(role, process, log_path)
+        self.children.append(child)
+        log.debug("started %s (pid %d): %s", role, process.pid, " ".join(command))
+        return child
+
+    def pids(self) -> dict[str, int]:
+        return {c.role: c.pid for c in self.children}
+
+    def stop_all(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every child still running, wait up to grace_s, then SIGKILL what is left."""
+        alive = [c for c in self.children if c.process.poll() is None]
+        for child in alive:
+            child.process.send_signal(signal.SIGTERM)
+        stop_at = time.monotonic() + grace_s
+        for child in alive:
+            try:
+                child.process.wait(timeout=max(0.0, stop_at - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s (pid %d) ignored SIGTERM for %.0fs; killing it", child.role, child.pid, grace_s)
+                child.process.kill()
+                child.process.wait(timeout=5)
+
+
+def wait_for_file(path: Path, child: Child, *, timeout_s: float) -> str:
+    """The content of a file a child writes once it is ready; fails early if the child exits first."""
+    stop_at = time.monotonic() + timeout_s
+    while time.monotonic() < stop_at:
+        if path.is_file() and path.read_text().strip():
+            return path.read_text().strip()
+        code = child.process.poll()
+        if code is not None:
+            tail = child.log_path.read_text(errors="replace").strip().splitlines()[-5:]
+            raise RuntimeError(f"{child.role} exited with code {code} before it was ready:\n  " + "\n  ".join(tail))
+        time.sleep(0.05)
+    raise TimeoutError(f"{child.role} did not write {path} within {timeout_s:.0f}s (log: {child.log_path})")

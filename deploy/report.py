@@ -1,0 +1,62 @@
+"""report.json from a run folder: the contract of DESIGN.md, built from what the coordinator recorded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+PHASES = ("generation", "training", "communication", "aggregation", "evaluation")
+LAST_N = 20
+
+
+def build_report(coordinator: dict[str, Any], *, wall_clock_s: float, processes: dict[str, int], generation_wall_s: float = 0.0) -> dict[str, Any]:
+    rounds = coordinator.get("rounds", [])
+    accuracies = [r["accuracy"] for r in rounds]
+    tail = accuracies[-LAST_N:]
+    per_client = {cid: g for cid, g in coordinator.get("generation", {}).items()}
+    phases = {phase: sum(r["phases_s"].get(phase, 0.0) for r in rounds) for phase in PHASES}
+    phases["generation"] += generation_wall_s  # generator training/start-up before round 1, if any
+    return {
+        "run_id": coordinator.get("run_id"),
+        "success": coordinator.get("success", False),
+        "error": coordinator.get("error"),
+        "config": coordinator.get("config"),
+        "initial_accuracy": coordinator.get("initial", {}).get("accuracy"),
+        "rounds": [
+            {
+                "round": r["round"],
+                "accuracy": r["accuracy"],
+                "loss": r["loss"],
+                "duration_s": r["duration_s"],
+                "participants": r["participants"],
+                "phases_s": r["phases_s"],
+                "bytes_sent": r["bytes_sent"],
+                "bytes_received": r["bytes_received"],
+            }
+            for r in rounds
+        ],
+        "final_accuracy": accuracies[-1] if accuracies else None,
+        "last20_mean_accuracy": sum(tail) / len(tail) if tail else None,
+        "generation": {
+            "total_images": int(sum(g.get("images", 0) for g in per_client.values())),
+            "per_client": {cid: int(g.get("images", 0)) for cid, g in per_client.items()},
+            "device_seconds": float(sum(g.get("device_seconds", 0.0) for g in per_client.values())),
+            "wall_seconds": float(max((g.get("wall_seconds", 0.0) for g in per_client.values()), default=0.0)),
+            "cache_hits": sorted(cid for cid, g in per_client.items() if g.get("cache_hit")),
+        },
+        "wall_clock_s": wall_clock_s,
+        "phases_s": phases,
+        "bytes": {
+            "sent": int(sum(r["bytes_sent"] for r in rounds)),
+            "received": int(sum(r["bytes_received"] for r in rounds)),
+        },
+        "processes": processes,
+    }
+
+
+def load_coordinator_record(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "coordinator.json"
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text())

@@ -1,0 +1,37 @@
+"""Federated algorithms behind a registry: `get_algorithm("fedavg" | "fedprox" | "scaffold" | "moon", **params)`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fedsynth.algorithms.base import Aggregator, Algorithm, ClientUpdate, StateDict, snapshot_state
+from fedsynth.algorithms.fedavg import FedAvg
+from fedsynth.algorithms.fedprox import FedProx
+from fedsynth.algorithms.moon import Moon
+from fedsynth.algorithms.scaffold import Scaffold
+from fedsynth.algorithms.sdafl import Sdafl
+from fedsynth.errors import ConfigError
+
+ALGORITHMS: dict[str, type] = {"fedavg": FedAvg, "fedprox": FedProx, "scaffold": Scaffold, "moon": Moon, "sdafl": Sdafl}
+
+__all__ = ["ALGORITHMS", "Aggregator", "Algorithm", "ClientUpdate", "StateDict", "get_algorithm", "snapshot_state"]
+
+
+def get_algorithm(name: str, **params: Any) -> Algorithm:
+    """The algorithm `name` with its parameters (fedprox: mu; scaffold: num_clients (required), global_lr;
+    moon: mu, temperature). Unknown names, unknown or missing parameters and bad values raise ConfigError."""
+    if name not in ALGORITHMS:
+        raise ConfigError(f"unknown algorithm {name!r}; expected one of {', '.join(ALGORITHMS)}")
+    cls = ALGORITHMS[name]
+    fields = dataclasses.fields(cls)
+    accepted = {field.name for field in fields}
+    unknown = sorted(set(params) - accepted)
+    if unknown:
+        allowed = ", ".join(sorted(accepted)) or "none"
+        raise ConfigError(f"algorithm {name!r} has no parameter {unknown[0]!r} (accepted: {allowed})")
+    required = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in params]
+    if required:
+        raise ConfigError(f"algorithm {name!r} needs parameter {required[0]!r}")
+    algorithm: Algorithm = cls(**params)
+    return algorithm

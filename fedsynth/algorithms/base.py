@@ -1,0 +1,145 @@
+"""The federated-algorithm interface, the client's update record and the streaming weighted-mean aggregator."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from fedsynth.errors import WireError
+from fedsynth.training import LocalTrainConfig, TrainData
+
+StateDict = dict[str, torch.Tensor]
+
+
+@dataclass
+class ClientUpdate:
+    """What one client's round produces.
+
+    state: the new local weights, the full state_dict (buffers included), detached CPU copies.
+    extra: algorithm tensors that travel to the server with the model (SCAFFOLD's delta c_i).
+    client_state: what the client keeps for its next round (SCAFFOLD's c_i, MOON's previous model).
+    """
+
+    state: StateDict
+    extra: StateDict = field(default_factory=dict)
+    client_state: StateDict = field(default_factory=dict)
+    num_steps: int = 0
+    train_loss: float = float("nan")
+
+
+class Algorithm(Protocol):
+    """One federated algorithm: the client's local update and the server's aggregation rule."""
+
+    name: str
+
+    def client_update(
+        self,
+        *,
+        model: nn.Module,
+        data: TrainData,
+        cfg: LocalTrainConfig,
+        server_extra: StateDict,
+        client_state: StateDict,
+        generator: torch.Generator,
+    ) -> ClientUpdate:
+        """Train `model` (already loaded with the global weights) in place and report the result."""
+        ...
+
+    def new_aggregator(self, global_state: StateDict, server_state: StateDict) -> Aggregator:
+        """A fresh streaming aggregator for one round, given the round's global weights and server state."""
+        ...
+
+    def initial_server_state(self, global_state: StateDict) -> StateDict:
+        """The server state before round 1 (empty for algorithms that keep none)."""
+        ...
+
+    def server_extra(self, server_state: StateDict) -> StateDict:
+        """The tensors sent to every sampled client along with the global model."""
+        ...
+
+
+def snapshot_state(model: nn.Module) -> StateDict:
+    """Detached CPU copies of the full state_dict, safe to keep after the model trains on."""
+    return {key: value.detach().to("cpu", copy=True) for key, value in model.state_dict().items()}
+
+
+class Aggregator:
+    """Running N_k-weighted mean of client states: one float64 accumulator per state key, never K models.
+
+    `add` checks that every update has exactly the template's keys and shapes and finite values
+    (WireError naming the key otherwise), since the states arrive from peers; an update's dtypes may
+    differ from the template's (everything is summed in float64). `finish` divides by the total
+    weight and casts back to the template's dtypes. Integer buffers (BatchNorm's
+    num_batches_tracked) get the weighted mean rounded to the nearest integer.
+
+    Subclasses extend `add_extra` / `finish_server_state` for algorithm tensors (SCAFFOLD); the base
+    class rejects any non-empty `extra` and returns the server state unchanged.
+    """
+
+    def __init__(self, global_state: StateDict, server_state: StateDict | None = None) -> None:
+        self._template = {key: (value.dtype, tuple(value.shape)) for key, value in global_state.items()}
+        self._sums = {key: torch.zeros(shape, dtype=torch.float64) for key, (_, shape) in self._template.items()}
+        self._server_state = dict(server_state or {})
+        self._total_weight = 0.0
+        self._count = 0
+
+    @property
+    def count(self) -> int:
+        """Number of updates added so far."""
+        return self._count
+
+    @property
+    def total_weight(self) -> float:
+        return self._total_weight
+
+    def add(self, state: StateDict, extra: StateDict, weight: float) -> None:
+        """Fold one client's state (weighted by its original dataset size N_k) into the running sum."""
+        if isinstance(weight, bool) or not (isinstance(weight, numbers.Real) and math.isfinite(weight) and weight > 0):
+            raise ValueError(f"aggregation weight must be a finite number > 0, got {weight!r}")
+        check_same_layout(state, self._template, what="client state")
+        self.add_extra(extra)
+        for key, value in state.items():
+            self._sums[key].add_(value.detach().to("cpu", torch.float64), alpha=float(weight))
+        self._total_weight += float(weight)
+        self._count += 1
+
+    def add_extra(self, extra: StateDict) -> None:
+        if extra:
+            raise WireError(f"this algorithm expects no extra tensors, got {sorted(extra)[:5]}")
+
+    def finish(self) -> tuple[StateDict, StateDict]:
+        """(new global state with the template's dtypes and shapes, new server state)."""
+        if self._count == 0:
+            raise ValueError("cannot aggregate a round with zero client updates")
+        return self.weighted_mean(), self.finish_server_state()
+
+    def weighted_mean(self) -> StateDict:
+        mean = {}
+        for key, total in self._sums.items():
+            dtype = self._template[key][0]
+            value = total / self._total_weight
+            if not (dtype.is_floating_point or dtype.is_complex):
+                value = torch.round(value)
+            mean[key] = value.to(dtype)
+        return mean
+
+    def finish_server_state(self) -> StateDict:
+        return self._server_state
+
+
+def check_same_layout(tensors: StateDict, template: dict[str, tuple[torch.dtype, tuple[int, ...]]], *, what: str) -> None:
+    """WireError naming the first key that is missing, unexpected, of the wrong shape or not finite."""
+    missing = template.keys() - tensors.keys()
+    unexpected = tensors.keys() - template.keys()
+    if missing or unexpected:
+        raise WireError(f"{what}: missing keys {sorted(missing)[:5]}, unexpected keys {sorted(unexpected)[:5]}")
+    for key, value in tensors.items():
+        if tuple(value.shape) != template[key][1]:
+            raise WireError(f"{what}: {key!r} has shape {tuple(value.shape)}, expected {template[key][1]}")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise WireError(f"{what}: {key!r} holds NaN or infinite values")

@@ -1,0 +1,44 @@
+"""FedAvg: plain local SGD on cross-entropy; the server takes the N_k-weighted mean of the client models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedsynth.algorithms.base import Aggregator, ClientUpdate, StateDict, snapshot_state
+from fedsynth.training import LocalTrainConfig, TrainData, run_local_sgd
+
+
+@dataclass(frozen=True)
+class FedAvg:
+    """McMahan et al. 2017. No parameters, no server state, nothing sent besides the model."""
+
+    name = "fedavg"
+
+    def client_update(
+        self,
+        *,
+        model: nn.Module,
+        data: TrainData,
+        cfg: LocalTrainConfig,
+        server_extra: StateDict,
+        client_state: StateDict,
+        generator: torch.Generator,
+    ) -> ClientUpdate:
+        def loss_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(model(x), y)
+
+        steps, train_loss = run_local_sgd(model, data, cfg, generator, loss_fn=loss_fn)
+        return ClientUpdate(state=snapshot_state(model), num_steps=steps, train_loss=train_loss)
+
+    def new_aggregator(self, global_state: StateDict, server_state: StateDict) -> Aggregator:
+        return Aggregator(global_state, server_state)
+
+    def initial_server_state(self, global_state: StateDict) -> StateDict:
+        return {}
+
+    def server_extra(self, server_state: StateDict) -> StateDict:
+        return {}

@@ -1,0 +1,88 @@
+"""MOON (Li et al. 2021): cross-entropy plus a model-contrastive loss on the representation; FedAvg aggregation."""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedsynth.algorithms.base import Aggregator, ClientUpdate, StateDict, snapshot_state
+from fedsynth.errors import ConfigError
+from fedsynth.training import LocalTrainConfig, TrainData, run_local_sgd
+
+
+def contrastive_loss(z: torch.Tensor, z_global: torch.Tensor, z_previous: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Mean over the batch of -log(e^{sim(z,z_glob)/T} / (e^{sim(z,z_glob)/T} + e^{sim(z,z_prev)/T})), sim = cosine."""
+    positive = F.cosine_similarity(z, z_global, dim=1) / temperature
+    negative = F.cosine_similarity(z, z_previous, dim=1) / temperature
+    logits = torch.stack([positive, negative], dim=1)
+    return F.cross_entropy(logits, torch.zeros(len(z), dtype=torch.int64, device=z.device))
+
+
+def _frozen_copy(model: nn.Module, state: StateDict | None = None) -> nn.Module:
+    frozen = copy.deepcopy(model)
+    if state is not None:
+        frozen.load_state_dict(state)
+    frozen.requires_grad_(False)
+    return frozen.eval()
+
+
+@dataclass(frozen=True)
+class Moon:
+    """loss = CE(head(z), y) + mu * contrastive(z, z_global, z_previous) with z = model.features(x).
+
+    The global model (the weights the round started from) and the client's previous local model
+    are frozen copies in eval mode. The previous local model's full state is the client state.
+    First round (empty client state): the global model also serves as the previous model, as in the
+    authors' code; the contrastive term then equals log 2 with zero gradient, so the first round
+    trains like FedAvg but reports train_loss shifted by mu * log 2.
+    """
+
+    mu: float = 1.0
+    temperature: float = 0.5
+    name = "moon"
+
+    def __post_init__(self) -> None:
+        for field_name, value, minimum_exclusive in (("mu", self.mu, False), ("temperature", self.temperature, True)):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or value < 0 or (minimum_exclusive and value == 0):
+                bound = "> 0" if minimum_exclusive else ">= 0"
+                raise ConfigError(f"moon {field_name} must be a finite number {bound}, got {value!r}")
+
+    def client_update(
+        self,
+        *,
+        model: nn.Module,
+        data: TrainData,
+        cfg: LocalTrainConfig,
+        server_extra: StateDict,
+        client_state: StateDict,
+        generator: torch.Generator,
+    ) -> ClientUpdate:
+        global_model = _frozen_copy(model)
+        previous_model = _frozen_copy(model, client_state) if client_state else global_model
+
+        def loss_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            z = model.features(x)
+            with torch.no_grad():
+                z_global = global_model.features(x)
+                z_previous = previous_model.features(x)
+            contrastive = contrastive_loss(z, z_global, z_previous, self.temperature)
+            return F.cross_entropy(model.head(z), y) + self.mu * contrastive
+
+        steps, train_loss = run_local_sgd(model, data, cfg, generator, loss_fn=loss_fn)
+        state = snapshot_state(model)
+        return ClientUpdate(state=state, client_state=state, num_steps=steps, train_loss=train_loss)
+
+    def new_aggregator(self, global_state: StateDict, server_state: StateDict) -> Aggregator:
+        return Aggregator(global_state, server_state)
+
+    def initial_server_state(self, global_state: StateDict) -> StateDict:
+        return {}
+
+    def server_extra(self, server_state: StateDict) -> StateDict:
+        return {}

@@ -1,0 +1,69 @@
+"""Build what a run config names (algorithm, local-training settings, a client's shard), identically in every process."""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import numpy as np
+
+import torch
+
+from fedsynth.algorithms import Algorithm, get_algorithm
+from fedsynth.config import DataConfig, RunConfig
+from fedsynth.data import ArrayDataset, load_dataset
+from fedsynth.partition import partition
+from fedsynth.training import LocalTrainConfig
+
+
+def algorithm_for(cfg: RunConfig) -> Algorithm:
+    params = dict(cfg.train.algorithm_params)
+    if cfg.train.algorithm == "scaffold":
+        params.setdefault("num_clients", cfg.data.clients)
+    if cfg.train.algorithm == "sdafl":
+        params.setdefault("lambda2", cfg.sdafl.lambda2)
+        params.setdefault("mixup_alpha", cfg.sdafl.mixup_alpha)
+    return get_algorithm(cfg.train.algorithm, **params)
+
+
+def local_train_config(cfg: RunConfig) -> LocalTrainConfig:
+    t = cfg.train
+    return LocalTrainConfig(
+        lr=t.lr,
+        momentum=t.momentum,
+        weight_decay=t.weight_decay,
+        batch_size=t.batch_size,
+        local_epochs=t.local_epochs,
+        augment=t.augment,
+        max_steps=t.max_steps,
+    )
+
+
+def client_shard(cfg: RunConfig, client_id: int) -> ArrayDataset:
+    """Client k's private shard, computed from (dataset, K, alpha, seed, k) alone; nodes on other machines agree."""
+    train, parts = _partitioned(cfg.data, cfg.seed)
+    return train.subset(parts[client_id])
+
+
+@functools.lru_cache(maxsize=2)  # one load and one partition for all logical clients of a process
+def _partitioned(d: DataConfig, seed: int) -> tuple[ArrayDataset, list[np.ndarray]]:
+    train = load_dataset(d.dataset, "train", data_dir=d.data_dir, download=d.download)
+    parts = partition(
+        train.y,
+        d.clients,
+        scheme=d.partition,
+        alpha=d.alpha,
+        seed=seed,
+        min_size=d.min_size,
+        holdout_fraction=d.holdout_fraction,
+    )
+    return train, parts
+
+
+def client_seed(cfg: RunConfig, client_id: int, purpose: str) -> int:
+    """A 63-bit seed for one client and purpose (training order, generation), fixed by the run seed."""
+    return (cfg.seed * 1_000_003 + client_id * 7919 + zlib.crc32(purpose.encode())) & ((1 << 63) - 1)
+
+
+def round_generator(cfg: RunConfig, client_id: int, round_number: int) -> torch.Generator:
+    return torch.Generator().manual_seed(client_seed(cfg, client_id, f"train-round-{round_number}"))

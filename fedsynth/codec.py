@@ -1,0 +1,111 @@
+"""Tensors on the wire: safetensors bytes in chunks with a SHA-256, and validation against a template.
+
+Never pickle, never torch.load: safetensors parses only a JSON header and raw little-endian buffers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from fedsynth.errors import WireError
+
+CHUNK_BYTES = 1 << 20  # 1 MiB: well under gRPC's 4 MiB default message limit
+MAX_PAYLOAD_BYTES = 2 << 30  # refuse transfers over 2 GiB outright
+
+
+def encode(tensors: dict[str, torch.Tensor]) -> bytes:
+    return st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+
+
+def decode(data: bytes) -> dict[str, torch.Tensor]:
+    try:
+        return st_load(data)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise WireError(f"payload is not valid safetensors ({str(exc)[:200]})") from exc
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def split(data: bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, bytes]]:
+    """(seq, bytes) pieces; zero-copy slices of one memoryview."""
+    view = memoryview(data)
+    for seq, start in enumerate(range(0, len(data), chunk_bytes)):
+        yield seq, bytes(view[start : start + chunk_bytes])
+
+
+def num_chunks(total_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    return (total_bytes + chunk_bytes - 1) // chunk_bytes
+
+
+@dataclass(frozen=True)
+class PayloadMeta:
+    total_bytes: int
+    sha256: str
+    num_chunks: int
+
+
+def describe(data: bytes) -> PayloadMeta:
+    return PayloadMeta(len(data), sha256(data), num_chunks(len(data)))
+
+
+def assemble(meta: PayloadMeta, chunks: Iterable[tuple[int, bytes]], *, max_bytes: int = MAX_PAYLOAD_BYTES) -> bytes:
+    """Join chunks that must arrive in order (0, 1, ...), to the announced size and checksum."""
+    if meta.total_bytes > max_bytes:
+        raise WireError(f"announced payload of {meta.total_bytes} bytes exceeds the limit of {max_bytes}")
+    if meta.num_chunks != num_chunks(meta.total_bytes):
+        raise WireError(f"announced {meta.num_chunks} chunks for {meta.total_bytes} bytes; expected {num_chunks(meta.total_bytes)}")
+    buffer = bytearray()
+    expected = 0
+    for seq, data in chunks:
+        if seq != expected:
+            raise WireError(f"chunk {seq} arrived where chunk {expected} was expected")
+        if len(data) > CHUNK_BYTES or len(buffer) + len(data) > meta.total_bytes:
+            raise WireError(f"chunk {seq} overruns the announced {meta.total_bytes} bytes")
+        buffer += data
+        expected += 1
+    if len(buffer) != meta.total_bytes:
+        raise WireError(f"payload ended after {len(buffer)} of {meta.total_bytes} bytes ({expected} chunks)")
+    digest = sha256(bytes(buffer))
+    if digest != meta.sha256:
+        raise WireError(f"payload checksum {digest[:12]}… does not match the announced {meta.sha256[:12]}…")
+    return bytes(buffer)
+
+
+def check_like(received: dict[str, torch.Tensor], template: dict[str, torch.Tensor], *, what: str) -> None:
+    """Same keys, shapes and dtypes as the template, and every float finite."""
+    missing = sorted(set(template) - set(received))
+    extra = sorted(set(received) - set(template))
+    if missing or extra:
+        raise WireError(f"{what}: missing tensors {missing[:5]} / unexpected tensors {extra[:5]}")
+    for name, ref in template.items():
+        got = received[name]
+        if got.shape != ref.shape:
+            raise WireError(f"{what}: tensor {name!r} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
+        if got.dtype != ref.dtype:
+            raise WireError(f"{what}: tensor {name!r} has dtype {got.dtype}, expected {ref.dtype}")
+        if got.is_floating_point() and not bool(torch.isfinite(got).all()):
+            raise WireError(f"{what}: tensor {name!r} contains NaN or Inf")
+
+
+def join_prefixed(**groups: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{"model": {...}, "extra": {...}} -> {"model/k": v, "extra/k": v}: several dicts in one transfer."""
+    return {f"{group}/{key}": value for group, tensors in groups.items() for key, value in tensors.items()}
+
+
+def split_prefixed(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for name, value in tensors.items():
+        group, sep, key = name.partition("/")
+        if not sep:
+            raise WireError(f"tensor name {name!r} has no group prefix")
+        groups.setdefault(group, {})[key] = value
+    return groups

@@ -1,0 +1,138 @@
+"""Client side of the generator service: Info, and Generate that resumes after UNAVAILABLE without gaps."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from fedsynth import grpcutil
+from fedsynth.errors import ConfigError, WireError
+from fedsynth.v1 import generator_pb2, generator_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "fedsynth.v1.Generator"
+INDEX_LIMIT = 1 << 32
+
+# on_batch(labels int64 (n,), images uint8 (n, H, W, C), first_index): first_index is the position of
+# images[0] in the whole requested stream (class order, then index order), counted across retries.
+BatchCallback = Callable[[np.ndarray, np.ndarray, int], None]
+
+
+@dataclass(frozen=True)
+class GeneratorInfo:
+    num_classes: int
+    image_shape: tuple[int, int, int]  # (channels, height, width)
+    model_id: str
+    size: str
+    parameters: int
+    backend: str
+    device: str
+    dtype: str
+    dataset: str
+    ddim_steps: int
+    guidance: float
+    max_request_images: int
+    max_batch: int
+
+    @classmethod
+    def fetch(cls, channel: grpc.Channel, *, timeout_s: float) -> GeneratorInfo:
+        """Ask the server what it serves; UNAVAILABLE (e.g. still loading) is retried until timeout_s."""
+        stub = generator_pb2_grpc.GeneratorStub(channel)
+        stop_at = time.monotonic() + timeout_s
+        reply = grpcutil.call_with_retry(
+            lambda: stub.Info(generator_pb2.InfoRequest(), timeout=max(0.01, stop_at - time.monotonic())),
+            deadline_s=timeout_s, what="generator Info",
+        )
+        return cls(
+            num_classes=reply.num_classes, image_shape=(reply.channels, reply.height, reply.width),
+            model_id=reply.model_id, size=reply.size, parameters=reply.parameters, backend=reply.backend,
+            device=reply.device, dtype=reply.dtype, dataset=reply.dataset, ddim_steps=reply.ddim_steps,
+            guidance=reply.guidance, max_request_images=reply.max_request_images, max_batch=reply.max_batch,
+        )
+
+
+def _check_counts(name: str, values: Sequence[int]) -> np.ndarray:
+    array = np.asarray(list(values), dtype=np.int64)
+    if array.ndim != 1 or (array < 0).any() or (array >= INDEX_LIMIT).any():
+        raise ConfigError(f"{name} must be a list of integers in 0..2^32-1, got {list(values)}")
+    return array
+
+
+class _Progress:
+    """What has arrived so far, checked against the class order the server promises."""
+
+    def __init__(self, counts: np.ndarray) -> None:
+        self.counts = counts
+        self.received = np.zeros_like(counts)
+        self.total = 0
+
+    def accept(self, batch: generator_pb2.ImageBatch, attempt_start: int) -> tuple[np.ndarray, np.ndarray]:
+        labels = np.asarray(batch.labels, dtype=np.int64)
+        shape = (len(labels), batch.height, batch.width, batch.channels)
+        if len(batch.images) != int(np.prod(shape)):
+            raise WireError(f"ImageBatch carries {len(batch.images)} bytes, expected {shape} = {int(np.prod(shape))}")
+        if batch.first_index != self.total - attempt_start:
+            raise WireError(f"ImageBatch first_index {batch.first_index}, expected {self.total - attempt_start}")
+        for label in labels:
+            missing = np.flatnonzero(self.received < self.counts)
+            if len(missing) == 0 or label != missing[0]:
+                expected = "nothing more" if len(missing) == 0 else f"class {missing[0]}"
+                raise WireError(f"image {self.total} has class {label}, expected {expected}")
+            self.received[label] += 1
+            self.total += 1
+        return labels, np.frombuffer(batch.images, dtype=np.uint8).reshape(shape)
+
+
+def fetch_images(
+    channel: grpc.Channel,
+    counts: Sequence[int],
+    *,
+    seed: int,
+    offsets: Sequence[int] | None = None,
+    model_id: str = "",
+    timeout_s: float,
+    on_batch: BatchCallback,
+) -> int:
+    """Stream counts[c] images of each class c (indices offsets[c] ...) into on_batch; return how many arrived.
+
+    UNAVAILABLE (a generator restart, a dropped connection) is retried with backoff until timeout_s, asking
+    only for what is still missing, so the images and their order are exactly those of an unbroken stream."""
+    want = _check_counts("counts", counts)
+    start = _check_counts("offsets", offsets if offsets is not None else [0] * len(want))
+    if len(start) != len(want):
+        raise ConfigError(f"offsets has {len(start)} entries but counts has {len(want)}")
+    if ((start + want) > INDEX_LIMIT).any():
+        raise ConfigError(f"offsets + counts exceed the index range 2^32: offsets={list(start)}, counts={list(want)}")
+    stub = generator_pb2_grpc.GeneratorStub(channel)
+    progress = _Progress(want)
+    stop_at = time.monotonic() + timeout_s
+    delays = grpcutil.backoff_delays()
+    while progress.total < int(want.sum()):
+        attempt_start = progress.total
+        request = generator_pb2.GenerateRequest(
+            counts=(want - progress.received).tolist(), offsets=(start + progress.received).tolist(),
+            seed=seed, model_id=model_id,
+        )
+        try:
+            for batch in stub.Generate(request, timeout=max(0.01, stop_at - time.monotonic())):
+                labels, images = progress.accept(batch, attempt_start)
+                on_batch(labels, images, progress.total - len(labels))
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            if progress.total > attempt_start:
+                delays = grpcutil.backoff_delays()  # progress was made: start the backoff over
+            delay = next(delays)
+            if code not in grpcutil.RETRYABLE or time.monotonic() + delay > stop_at:
+                raise
+            log.info("generator stream broke (%s) after %d/%d images; resuming in %.2fs",
+                     code, progress.total, int(want.sum()), delay)
+            time.sleep(delay)
+            continue
+        if progress.total < int(want.sum()):
+            raise WireError(f"the generator ended the stream after {progress.total} of {int(want.sum())} images")
+    return progress.total

@@ -1,0 +1,108 @@
+"""Classifier models shared by coordinator and clients: a small CNN and a CIFAR-style ResNet-18."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+import torchvision
+from torch import nn
+
+from fedsynth.errors import ConfigError
+
+MODELS = ("cnn", "resnet18")
+
+
+class SmallCNN(nn.Module):
+    """Two conv blocks and a 128-unit representation; fits 8x8 digits and 32x32 CIFAR, quick on CPU.
+
+    No BatchNorm and no dropout, so training uses no randomness beyond the batch order and the
+    model state is parameters only. The adaptive pool makes the representation size independent of
+    the image size (2x2 after the pool for every input of at least 4x4 pixels).
+    """
+
+    representation_dim = 128
+
+    def __init__(self, *, num_classes: int, in_channels: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(in_channels, 32, kernel_size=3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, kernel_size=3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.AdaptiveAvgPool2d(2),
+            nn.Flatten(),
+            nn.Linear(64 * 2 * 2, self.representation_dim),
+            nn.ReLU(inplace=True),
+        )
+        self.classifier = nn.Linear(self.representation_dim, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """Representation N x 128 (what MOON contrasts)."""
+        return self.body(x)
+
+    def head(self, representation: torch.Tensor) -> torch.Tensor:
+        """Logits N x num_classes from a representation."""
+        return self.classifier(representation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+class CifarResNet18(nn.Module):
+    """torchvision's ResNet-18 with the CIFAR stem: 3x3 stride-1 first conv and no max-pool.
+
+    The torchvision module lives under `net`, so state_dict keys read `net.conv1.weight`, ...;
+    the representation is the 512-d output of the global average pool, the head is `net.fc`.
+    """
+
+    representation_dim = 512
+
+    def __init__(self, *, num_classes: int, in_channels: int) -> None:
+        super().__init__()
+        net = torchvision.models.resnet18(num_classes=num_classes)
+        net.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        # torchvision's ResNet init gives every conv kaiming-normal weights; keep the new stem consistent.
+        nn.init.kaiming_normal_(net.conv1.weight, mode="fan_out", nonlinearity="relu")
+        net.maxpool = nn.Identity()
+        self.net = net
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """Representation N x 512 after the global average pool."""
+        net = self.net
+        x = net.relu(net.bn1(net.conv1(x)))
+        x = net.layer4(net.layer3(net.layer2(net.layer1(x))))
+        return torch.flatten(net.avgpool(x), 1)
+
+    def head(self, representation: torch.Tensor) -> torch.Tensor:
+        """Logits N x num_classes from a representation."""
+        return self.net.fc(representation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+def _check_positive_int(name: str, value: int, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def build_model(name: str, *, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
+    """Build model `name` (one of MODELS) for square images of `image_size` pixels.
+
+    Every model has `features(x) -> N x D`, `head(rep) -> logits` and `forward = head(features(x))`.
+    Weights come from torch's global RNG, so `torch.manual_seed(s)` right before this call makes the
+    initialization reproducible (the coordinator seeds it and ships the weights to clients).
+    """
+    _check_positive_int("num_classes", num_classes, 2)
+    _check_positive_int("in_channels", in_channels, 1)
+    _check_positive_int("image_size", image_size, 4)
+    if name == "cnn":
+        return SmallCNN(num_classes=num_classes, in_channels=in_channels)
+    if name == "resnet18":
+        if image_size < 8:
+            raise ConfigError(f"model 'resnet18' needs images of at least 8x8 pixels, got image_size={image_size}")
+        return CifarResNet18(num_classes=num_classes, in_channels=in_channels)
+    raise ConfigError(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")

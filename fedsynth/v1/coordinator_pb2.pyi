@@ -1,0 +1,231 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetRunSpecRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RunSpec(_message.Message):
+    __slots__ = ("run_id", "config_json", "num_clients")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    config_json: str
+    num_clients: int
+    def __init__(self, run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., num_clients: _Optional[int] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("client_id", "num_samples", "fedeas_budget", "missing_classes", "run_id", "synthetic_digest")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    FEDEAS_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    MISSING_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SYNTHETIC_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    num_samples: int
+    fedeas_budget: int
+    missing_classes: _containers.RepeatedScalarFieldContainer[int]
+    run_id: str
+    synthetic_digest: str
+    def __init__(self, client_id: _Optional[int] = ..., num_samples: _Optional[int] = ..., fedeas_budget: _Optional[int] = ..., missing_classes: _Optional[_Iterable[int]] = ..., run_id: _Optional[str] = ..., synthetic_digest: _Optional[str] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("session", "completed_rounds", "synthetic_uploaded")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    SYNTHETIC_UPLOADED_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    completed_rounds: int
+    synthetic_uploaded: bool
+    def __init__(self, session: _Optional[str] = ..., completed_rounds: _Optional[int] = ..., synthetic_uploaded: _Optional[bool] = ...) -> None: ...
+
+class SubscribeRequest(_message.Message):
+    __slots__ = ("client_id", "session")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    session: str
+    def __init__(self, client_id: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
+
+class Payload(_message.Message):
+    __slots__ = ("total_bytes", "sha256", "num_chunks")
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    total_bytes: int
+    sha256: str
+    num_chunks: int
+    def __init__(self, total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., num_chunks: _Optional[int] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("seq", "data")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    data: bytes
+    def __init__(self, seq: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Task(_message.Message):
+    __slots__ = ("round", "task_id", "deadline_s", "generation_quota", "payload")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    task_id: str
+    deadline_s: float
+    generation_quota: _containers.RepeatedScalarFieldContainer[int]
+    payload: Payload
+    def __init__(self, round: _Optional[int] = ..., task_id: _Optional[str] = ..., deadline_s: _Optional[float] = ..., generation_quota: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
+
+class RunFinished(_message.Message):
+    __slots__ = ("reason", "success")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    success: bool
+    def __init__(self, reason: _Optional[str] = ..., success: _Optional[bool] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("unix_time",)
+    UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
+    unix_time: float
+    def __init__(self, unix_time: _Optional[float] = ...) -> None: ...
+
+class ServerMessage(_message.Message):
+    __slots__ = ("task", "chunk", "finished", "heartbeat")
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    task: Task
+    chunk: Chunk
+    finished: RunFinished
+    heartbeat: Heartbeat
+    def __init__(self, task: _Optional[_Union[Task, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., finished: _Optional[_Union[RunFinished, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+
+class GenerationReport(_message.Message):
+    __slots__ = ("images", "wall_seconds", "device_seconds", "cache_hit")
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    images: int
+    wall_seconds: float
+    device_seconds: float
+    cache_hit: bool
+    def __init__(self, images: _Optional[int] = ..., wall_seconds: _Optional[float] = ..., device_seconds: _Optional[float] = ..., cache_hit: _Optional[bool] = ...) -> None: ...
+
+class UpdateHeader(_message.Message):
+    __slots__ = ("client_id", "session", "round", "task_id", "payload", "train_seconds", "train_loss", "num_steps", "train_samples", "generation")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    session: str
+    round: int
+    task_id: str
+    payload: Payload
+    train_seconds: float
+    train_loss: float
+    num_steps: int
+    train_samples: int
+    generation: GenerationReport
+    def __init__(self, client_id: _Optional[int] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., train_seconds: _Optional[float] = ..., train_loss: _Optional[float] = ..., num_steps: _Optional[int] = ..., train_samples: _Optional[int] = ..., generation: _Optional[_Union[GenerationReport, _Mapping]] = ...) -> None: ...
+
+class UpdateChunk(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: UpdateHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class SubmitReply(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RoundSummary(_message.Message):
+    __slots__ = ("round", "total_rounds", "accuracy", "loss", "duration_s", "participants", "finished", "success", "message")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    total_rounds: int
+    accuracy: float
+    loss: float
+    duration_s: float
+    participants: int
+    finished: bool
+    success: bool
+    message: str
+    def __init__(self, round: _Optional[int] = ..., total_rounds: _Optional[int] = ..., accuracy: _Optional[float] = ..., loss: _Optional[float] = ..., duration_s: _Optional[float] = ..., participants: _Optional[int] = ..., finished: _Optional[bool] = ..., success: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+
+class SyntheticHeader(_message.Message):
+    __slots__ = ("client_id", "session", "count", "height", "width", "channels", "dtype", "payload", "epsilon", "delta", "noise_multiplier", "gan_seconds")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    GAN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    session: str
+    count: int
+    height: int
+    width: int
+    channels: int
+    dtype: str
+    payload: Payload
+    epsilon: float
+    delta: float
+    noise_multiplier: float
+    gan_seconds: float
+    def __init__(self, client_id: _Optional[int] = ..., session: _Optional[str] = ..., count: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., channels: _Optional[int] = ..., dtype: _Optional[str] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., gan_seconds: _Optional[float] = ...) -> None: ...
+
+class SyntheticChunk(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: SyntheticHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[SyntheticHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class UploadReply(_message.Message):
+    __slots__ = ("stored",)
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    def __init__(self, stored: _Optional[int] = ...) -> None: ...

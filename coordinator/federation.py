@@ -461,6 +461,13 @@ class Federation:
         with self._lock:
             return {c: dict(r.generation) for c, r in self._clients.items() if r.generation}
 
+    def close_streams(self) -> None:
+        """End every open dispatch stream now (shutdown), so no RPC holds the server for its whole grace period."""
+        with self._lock:
+            for record in self._clients.values():
+                self._close_outbox(record)
+            self._lock.notify_all()
+
     def drain(self, timeout_s: float) -> None:
         """Wait (bounded) until every client stream has closed after the final message."""
         stop_at = time.monotonic() + timeout_s

@@ -8,6 +8,8 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 from coordinator.federation import Federation
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
@@ -36,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     setup_logging("coordinator", args.log_level)
     cfg = load_config(args.config, args.set)
+    torch.set_num_threads(cfg.runtime.torch_threads)
     out_dir = Path(args.out_dir or cfg.out_dir)
     host = args.host or cfg.runtime.host
     port = cfg.runtime.coordinator_port if args.port is None else args.port
@@ -50,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     bound = grpcutil.bind(server, f"{host}:{port}")
     server.start()
     grpcutil.set_serving(health, SERVICE_NAME)
-    stopped = grpcutil.stop_on_signals(server, health)
+    stopped = grpcutil.stop_on_signals(server, health, before_stop=federation.close_streams)
     log.info("coordinator serving on %s:%d (run %s, resuming after round %d)", host, bound, federation.run_id, federation.completed)
     if args.port_file:
         write_atomic(Path(args.port_file), str(bound))

@@ -63,21 +63,23 @@ def assemble(meta: PayloadMeta, chunks: Iterable[tuple[int, bytes]], *, max_byte
         raise WireError(f"announced payload of {meta.total_bytes} bytes exceeds the limit of {max_bytes}")
     if meta.num_chunks != num_chunks(meta.total_bytes):
         raise WireError(f"announced {meta.num_chunks} chunks for {meta.total_bytes} bytes; expected {num_chunks(meta.total_bytes)}")
-    buffer = bytearray()
-    expected = 0
+    digest = hashlib.sha256()
+    pieces: list[bytes] = []
+    received = expected = 0
     for seq, data in chunks:
         if seq != expected:
             raise WireError(f"chunk {seq} arrived where chunk {expected} was expected")
-        if len(data) > CHUNK_BYTES or len(buffer) + len(data) > meta.total_bytes:
+        if len(data) > CHUNK_BYTES or received + len(data) > meta.total_bytes:
             raise WireError(f"chunk {seq} overruns the announced {meta.total_bytes} bytes")
-        buffer += data
+        digest.update(data)  # hash while the stream is still arriving, join once at the end
+        pieces.append(data)
+        received += len(data)
         expected += 1
-    if len(buffer) != meta.total_bytes:
-        raise WireError(f"payload ended after {len(buffer)} of {meta.total_bytes} bytes ({expected} chunks)")
-    digest = sha256(bytes(buffer))
-    if digest != meta.sha256:
-        raise WireError(f"payload checksum {digest[:12]}… does not match the announced {meta.sha256[:12]}…")
-    return bytes(buffer)
+    if received != meta.total_bytes:
+        raise WireError(f"payload ended after {received} of {meta.total_bytes} bytes ({expected} chunks)")
+    if digest.hexdigest() != meta.sha256:
+        raise WireError(f"payload checksum {digest.hexdigest()[:12]}… does not match the announced {meta.sha256[:12]}…")
+    return b"".join(pieces)
 
 
 def check_like(received: dict[str, torch.Tensor], template: dict[str, torch.Tensor], *, what: str) -> None:

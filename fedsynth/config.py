@@ -74,9 +74,9 @@ class GenerationConfig:
     backend: str = "ddpm"
     model_dir: str | None = None
     generator: str | None = None  # host:port of a running generator; None lets the launcher start one
-    ddim_steps: int = 20
+    ddim_steps: int = 10
     guidance: float = 2.0
-    train_steps: int = 3000
+    train_steps: int = 1500  # for a generator the launcher trains on first use
     size: str = "tiny"
 
     def __post_init__(self) -> None:
@@ -158,10 +158,12 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def fingerprint(self) -> str:
-        """Hash of everything that changes results (not where output goes); a checkpoint resumes only on a match."""
+        """Hash of everything that changes results; a checkpoint resumes only on a match. Where output goes, the
+        runtime settings and the number of rounds are left out, so a finished run can be extended."""
         content = self.to_dict()
         content.pop("out_dir")
         content.pop("runtime")
+        content["train"].pop("rounds")
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
 
 

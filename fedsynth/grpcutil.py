@@ -121,15 +121,22 @@ def wait_for_serving(channel: grpc.Channel, service_name: str, *, timeout_s: flo
 
 
 def stop_on_signals(
-    server: grpc.Server, health_servicer: health.HealthServicer | None, *, grace_s: float = 5.0
+    server: grpc.Server,
+    health_servicer: health.HealthServicer | None,
+    *,
+    grace_s: float = 5.0,
+    before_stop: Callable[[], None] | None = None,
 ) -> threading.Event:
-    """On SIGTERM/SIGINT: health goes NOT_SERVING, in-flight RPCs get grace_s, then the event is set."""
+    """On SIGTERM/SIGINT: health goes NOT_SERVING, before_stop() ends long-lived streams, in-flight RPCs get
+    grace_s, then the event is set."""
     stopped = threading.Event()
 
     def _handle(signum: int, _frame: object) -> None:
         log.info("signal %d: shutting down (grace %.1fs)", signum, grace_s)
         if health_servicer is not None:
             health_servicer.enter_graceful_shutdown()
+        if before_stop is not None:
+            before_stop()
         done = server.stop(grace_s)
         threading.Thread(target=lambda: (done.wait(), stopped.set()), daemon=True).start()
 

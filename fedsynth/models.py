@@ -5,7 +5,6 @@ from __future__ import annotations
 import numbers
 
 import torch
-import torchvision
 from torch import nn
 
 from fedsynth.errors import ConfigError
@@ -62,6 +61,8 @@ class CifarResNet18(nn.Module):
 
     def __init__(self, *, num_classes: int, in_channels: int) -> None:
         super().__init__()
+        import torchvision  # 2 s of start-up that only ResNet users should pay
+
         net = torchvision.models.resnet18(num_classes=num_classes)
         net.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
         # torchvision's ResNet init gives every conv kaiming-normal weights; keep the new stem consistent.

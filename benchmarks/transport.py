@@ -1,0 +1,214 @@
+"""ResNet-18's weights (~45 MB) to one client and back through the coordinator's real gRPC path, beside raw TCP.
+
+A real `fedsynth coordinator` process (ResNet-18, CIFAR-shaped data, one client) pushes each round's global
+model; this script is the client: it receives the task over Subscribe, verifies and decodes the payload, and
+sends the same weights straight back with SubmitUpdate ("training off"), which the coordinator verifies,
+decodes, validates and folds into its aggregate. The raw baseline sends the same bytes to an echo process
+over a plain TCP socket and reads them back. Prints a markdown table.
+
+    python benchmarks/transport.py --rounds 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from deploy.processes import ProcessGroup, fedsynth_command, wait_for_file
+from fedsynth import codec, grpcutil
+from fedsynth.v1 import coordinator_pb2 as pb
+from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
+
+MB = 1e6
+# Receives a length-prefixed blob, then sends it back whole: the same bytes, the same direction pattern.
+ECHO_SERVER = r"""
+import socket, sys
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+conn, _ = listener.accept()
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while True:
+    head = conn.recv(8, socket.MSG_WAITALL)
+    if len(head) < 8:
+        break
+    size = int.from_bytes(head, "little")
+    buffer = bytearray(size)
+    view, got = memoryview(buffer), 0
+    while got < size:
+        got += conn.recv_into(view[got:])
+    conn.sendall(buffer)
+"""
+
+
+def cifar_shaped_folder(folder: Path) -> None:
+    """A few random 32x32x3 images as train.npz/test.npz: the coordinator's evaluation stays negligible."""
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 40), ("test", 20)):
+        np.savez(folder / f"{split}.npz", x=rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8), y=np.arange(n) % 10)
+
+
+def start_coordinator(group: ProcessGroup, folder: Path, rounds: int) -> str:
+    settings = {
+        "data.dataset": "cifar10", "data.data_dir": str(folder), "data.clients": 1, "train.model": "resnet18",
+        "train.rounds": rounds, "generation.policy": "none", "runtime.heartbeat_s": 5.0,
+    }
+    sets = [item for key, value in settings.items() for item in ("--set", f"{key}={json.dumps(value)}")]
+    port_file = folder / "coordinator.port"
+    child = group.start("coordinator", fedsynth_command("coordinator", *sets, "--out-dir", str(folder / "run"), "--port", "0", "--port-file", str(port_file)))
+    return f"127.0.0.1:{wait_for_file(port_file, child, timeout_s=180)}"
+
+
+def grpc_round_trips(address: str, rounds: int) -> list[dict[str, float]]:
+    """Per round: seconds spent receiving, verifying and decoding the push, and sending the weights back."""
+    channel = grpcutil.make_channel(address)
+    stub = pb_grpc.CoordinatorStub(channel)
+    spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=60, wait_for_ready=True)
+    session = stub.Register(pb.RegisterRequest(client_id=0, num_samples=1, run_id=spec.run_id), timeout=60).session
+    stream = stub.Subscribe(pb.SubscribeRequest(client_id=0, session=session), timeout=3600)
+    timings = []
+    try:
+        for _ in range(rounds):
+            task = next(m.task for m in stream if m.WhichOneof("kind") == "task")
+            started = time.perf_counter()
+            chunks = [(m.chunk.seq, m.chunk.data) for m in _chunks(stream, task.payload.num_chunks)]
+            received = time.perf_counter()
+            meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
+            data = codec.assemble(meta, chunks)
+            verified = time.perf_counter()
+            state = codec.split_prefixed(codec.decode(data))["model"]
+            decoded = time.perf_counter()
+            payload = codec.encode(codec.join_prefixed(model=state))
+            reply_meta = codec.describe(payload)
+            encoded = time.perf_counter()
+            header = pb.UpdateHeader(
+                client_id=0, session=session, round=task.round, task_id=task.task_id,
+                payload=pb.Payload(total_bytes=reply_meta.total_bytes, sha256=reply_meta.sha256, num_chunks=reply_meta.num_chunks),
+            )
+            messages = [pb.UpdateChunk(header=header)] + [pb.UpdateChunk(chunk=pb.Chunk(seq=s, data=d)) for s, d in codec.split(payload)]
+            stub.SubmitUpdate(iter(messages), timeout=600)
+            sent = time.perf_counter()
+            timings.append({
+                "bytes": float(len(data)), "push_transfer": received - started, "push_verify": verified - received,
+                "push_decode": decoded - verified, "reply_encode": encoded - decoded, "reply_submit": sent - encoded,
+            })
+    finally:
+        stream.cancel()
+        channel.close()
+    return timings
+
+
+def _chunks(stream: Iterator[pb.ServerMessage], count: int) -> Iterator[pb.ServerMessage]:
+    got = 0
+    while got < count:
+        message = next(stream)
+        if message.WhichOneof("kind") == "chunk":
+            got += 1
+            yield message
+
+
+def raw_tcp_round_trips(data: bytes, repeats: int) -> list[float]:
+    """Seconds to send `data` to an echo process over loopback TCP and read it all back."""
+    echo = subprocess.Popen([sys.executable, "-c", ECHO_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(echo.stdout.readline())
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            back = bytearray(len(data))
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                conn.sendall(len(data).to_bytes(8, "little"))
+                conn.sendall(data)
+                view, got = memoryview(back), 0
+                while got < len(data):
+                    got += conn.recv_into(view[got:])
+                times.append(time.perf_counter() - started)
+            assert bytes(back) == data
+        return times
+    finally:
+        echo.kill()
+        echo.wait(10)
+
+
+def coordinator_processing(payload: bytes, repeats: int) -> float:
+    """Seconds the coordinator spends on one received update besides the transfer, timed here on the same bytes.
+
+    With one intra-op thread: on a busy 2-core machine torch's default of 2 threads can make the elementwise
+    checks many times slower (threads spin waiting for a core), which would hide the transfer in the estimate.
+    """
+    import torch
+
+    from fedsynth.algorithms import Aggregator
+
+    torch.set_num_threads(1)
+
+    meta = codec.describe(payload)
+    chunks = list(codec.split(payload))
+    state = codec.split_prefixed(codec.decode(payload))["model"]
+    template = {k: v.to("meta") for k, v in state.items()}
+    times = []
+    for _ in range(repeats):
+        aggregator = Aggregator(state)
+        started = time.perf_counter()
+        received = codec.split_prefixed(codec.decode(codec.assemble(meta, chunks)))["model"]
+        codec.check_like(received, template, what="update")
+        aggregator.add(received, {}, 1.0)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=7, help="measured round trips (the median is reported)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="fedsynth-transport-") as tmp:
+        folder = Path(tmp)
+        cifar_shaped_folder(folder)
+        group = ProcessGroup(folder / "logs")
+        try:
+            rounds = grpc_round_trips(start_coordinator(group, folder, args.rounds), args.rounds)
+            group.children[0].process.wait(timeout=60)  # the run ends by itself after the last round
+        finally:
+            group.stop_all(grace_s=5.0)
+
+    from fedsynth.algorithms import snapshot_state
+    from fedsynth.models import build_model
+
+    weights = codec.encode(codec.join_prefixed(model=snapshot_state(build_model("resnet18", num_classes=10, in_channels=3, image_size=32))))
+    raw = statistics.median(raw_tcp_round_trips(weights, args.rounds))
+    processing = coordinator_processing(weights, args.rounds)
+    m = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    size = m["bytes"]
+    push = m["push_transfer"] + m["push_verify"] + m["push_decode"]
+    total = push + m["reply_encode"] + m["reply_submit"]
+    rate = lambda seconds, n=1: f"{n * size / seconds / MB:,.0f}"  # noqa: E731
+
+    print(f"ResNet-18 weights: {size / MB:.1f} MB of safetensors in {codec.CHUNK_BYTES >> 10} KiB chunks; median of "
+          f"{args.rounds}; {platform.node()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n")
+    print("| step | seconds | MB/s |")
+    print("|---|---:|---:|")
+    print(f"| push: Subscribe stream, task header to last chunk | {m['push_transfer']:.3f} | {rate(m['push_transfer'])} |")
+    print(f"| push: SHA-256 check + safetensors decode (client) | {m['push_verify'] + m['push_decode']:.3f} | |")
+    print(f"| reply: safetensors encode + SHA-256 (client) | {m['reply_encode']:.3f} | |")
+    print(f"| reply: SubmitUpdate until the coordinator answers | {m['reply_submit']:.3f} | {rate(m['reply_submit'])} |")
+    print(f"| (the coordinator's join + SHA-256 + decode + validation + aggregation of one update, timed in-process) | {processing:.3f} | |")
+    print(f"| **round trip, real path (everything above)** | {total:.3f} | {rate(total, 2)} |")
+    print(f"| **raw TCP round trip** (same bytes to an echo process and back) | {raw:.3f} | {rate(raw, 2)} |")
+    print(f"\nreal path round trip: {100 * raw / total:.0f}% of the raw socket rate; "
+          f"push stream alone: {100 * (raw / 2) / m['push_transfer']:.0f}% of the raw one-way rate")
+
+
+if __name__ == "__main__":
+    main()

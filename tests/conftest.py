@@ -1,0 +1,50 @@
+"""Shared fixtures: a process runtime that always cleans up, and one uninterrupted reference run per session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from coordinator import checkpoint
+from runtime_harness import Runtime, read_record, wait_exit
+
+# A run whose rounds sample 2 of 4 clients: the reference for determinism and for resume-after-crash.
+SAMPLED_RUN: dict[str, Any] = {
+    "seed": 7,
+    "data.clients": 4,
+    "train.fraction": 0.5,
+    "train.rounds": 4,
+    "train.local_epochs": 2,
+}
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    out_dir: Path
+    record: dict[str, Any]
+    final_state: dict[str, torch.Tensor]
+
+
+@pytest.fixture
+def runtime(tmp_path: Path) -> Iterator[Runtime]:
+    with Runtime(tmp_path) as rt:
+        yield rt
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> FinishedRun:
+    """SAMPLED_RUN played once, uninterrupted: one coordinator and one client process hosting clients 0-3."""
+    root = tmp_path_factory.mktemp("reference")
+    with Runtime(root) as rt:
+        coord = rt.coordinator(SAMPLED_RUN, root / "run")
+        clients = rt.clients(coord.address, "0-3")
+        assert coord.wait(120) == 0, coord.log()[-3000:]
+        assert wait_exit(clients, 30) == 0
+    ckpt = checkpoint.load(root / "run")
+    assert ckpt is not None and ckpt.completed_rounds == SAMPLED_RUN["train.rounds"]
+    return FinishedRun(root / "run", read_record(root / "run"), ckpt.global_state)

@@ -98,6 +98,8 @@ class SdaflConfig:
     gan_batch_size: int = 32  # expected (Poisson) real batch size of the critic
     gan_latent_dim: int = 32
     gan_width: int = 32
+    gan_lr: float = 1e-4  # Adam (0.5, 0.9) as in WGAN-GP; 1e-3 trains far faster for tiny CPU-sized GANs
+    secure_noise: bool = False  # True: unpredictable DP noise (Opacus secure_mode); runs stop being reproducible
     target_epsilon: float = 10.0  # 0: no target, use noise_multiplier as given
     noise_multiplier: float = 1.0
     delta: float = 0.0  # 0: 1 / N_k^1.1 for each client
@@ -114,6 +116,7 @@ class SdaflConfig:
         _require(self.lambda2 >= 0, f"sdafl.lambda2 must be >= 0, got {self.lambda2}")
         _require(self.mixup_alpha > 0, f"sdafl.mixup_alpha must be > 0, got {self.mixup_alpha}")
         _require(self.gan_steps >= 1, f"sdafl.gan_steps must be >= 1, got {self.gan_steps}")
+        _require(self.gan_lr > 0, f"sdafl.gan_lr must be > 0, got {self.gan_lr}")
         _require(self.target_epsilon >= 0, f"sdafl.target_epsilon must be >= 0 (0: use noise_multiplier), got {self.target_epsilon}")
         _require(self.noise_multiplier >= 0, f"sdafl.noise_multiplier must be >= 0, got {self.noise_multiplier}")
         _require(0 <= self.delta < 1, f"sdafl.delta must be in [0, 1) (0: 1/N_k^1.1), got {self.delta}")
@@ -133,6 +136,7 @@ class RuntimeConfig:
     clients_per_process: int = 1
     torch_threads: int = 1
     heartbeat_s: float = 2.0
+    tls_dir: str | None = None  # `fedsynth deploy provision` folder: the launcher runs every role over mutual TLS
 
     def __post_init__(self) -> None:
         _require(self.round_timeout_s > 0, f"runtime.round_timeout_s must be > 0, got {self.round_timeout_s}")

@@ -1,0 +1,112 @@
+"""SDA-FL over gRPC with real processes: DP-GAN uploads, pseudo-label coverage per round, and refused uploads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from fedsynth import codec
+from fedsynth.v1 import coordinator_pb2 as pb
+from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
+from runtime_harness import Runtime, channel, config, read_record, wait_exit
+
+SDAFL: dict[str, object] = {
+    "data.clients": 3,
+    "train.algorithm": "sdafl",
+    "train.rounds": 4,
+    "train.local_epochs": 3,
+    "sdafl.gan_steps": 5,
+    "sdafl.samples_per_client": 40,
+    "sdafl.tau": 0.5,
+    "sdafl.server_steps": 5,
+    "sdafl.server_lr": 0.001,
+    "runtime.registration_timeout_s": 120.0,
+    "runtime.round_timeout_s": 120.0,
+}
+
+
+@pytest.mark.slow
+def test_sdafl_run_uploads_once_pseudo_labels_and_reports_privacy(runtime: Runtime, tmp_path: Path) -> None:
+    coordinator = runtime.coordinator(SDAFL, tmp_path / "run")
+    clients = runtime.clients(coordinator.address, "0-2")
+    assert coordinator.wait(timeout_s=400) == 0, coordinator.log()[-3000:]
+    assert wait_exit(clients, 30) == 0
+    record = read_record(tmp_path / "run")
+    rounds = record["rounds"]
+    assert len(rounds) == 4
+    coverage = [r["pseudo_label_coverage"] for r in rounds]
+    assert all(0.0 <= c <= 1.0 for c in coverage)
+    assert coverage[-1] > 0.0, coverage  # with tau 0.5 the local models label some samples
+    agreement = [r["pseudo_label_agreement"] for r in rounds if r["pseudo_labelled"]]
+    assert agreement and all(0.0 <= a <= 1.0 for a in agreement)
+    privacy = record["sdafl"]
+    assert sorted(privacy) == ["0", "1", "2"]
+    for entry in privacy.values():
+        assert entry["samples"] == 40
+        assert 0 < entry["epsilon"] <= 10.0 + 1e-9  # target epsilon 10 is never overshot
+        assert 0 < entry["delta"] < 1e-4
+        assert entry["gan_seconds"] > 0
+
+
+def _upload(stub: pb_grpc.CoordinatorStub, session: str, images: np.ndarray, *, client_id: int, dtype: str = "uint8") -> pb.UploadReply:
+    data = images.tobytes()
+    meta = codec.describe(data)
+    n, h, w, c = images.shape
+    header = pb.SyntheticHeader(
+        client_id=client_id, session=session, count=n, height=h, width=w, channels=c, dtype=dtype,
+        payload=pb.Payload(total_bytes=meta.total_bytes, sha256=meta.sha256, num_chunks=meta.num_chunks),
+        epsilon=1.0, delta=1e-5, noise_multiplier=1.0, gan_seconds=0.1,
+    )
+    messages = [pb.SyntheticChunk(header=header)] + [pb.SyntheticChunk(chunk=pb.Chunk(seq=s, data=d)) for s, d in codec.split(data)]
+    return stub.UploadSynthetic(iter(messages), timeout=30)
+
+
+@pytest.mark.slow
+def test_bad_uploads_are_refused_and_never_enter_the_synthetic_set(runtime: Runtime, tmp_path: Path) -> None:
+    settings = {**SDAFL, "data.clients": 2, "train.rounds": 1}
+    cfg = config(settings)
+    coordinator = runtime.coordinator(settings, tmp_path / "run")
+    runtime.clients(coordinator.address, "0")  # a real client: trains its DP-GAN and uploads 40 samples
+    with channel(coordinator.address) as ch:
+        stub = pb_grpc.CoordinatorStub(ch)
+        spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=60, wait_for_ready=True)
+        reply = stub.Register(pb.RegisterRequest(client_id=1, num_samples=50, run_id=spec.run_id), timeout=30)
+        good = np.random.default_rng(0).integers(0, 256, size=(7, 8, 8, 1), dtype=np.uint8)
+
+        cases = {
+            "wrong shape": (lambda: _upload(stub, reply.session, good.reshape(7, 8, 4, 2), client_id=1), grpc.StatusCode.INVALID_ARGUMENT, "(8, 8, 1)"),
+            "wrong dtype": (lambda: _upload(stub, reply.session, good, client_id=1, dtype="float32"), grpc.StatusCode.INVALID_ARGUMENT, "uint8"),
+            "too many": (lambda: _upload(stub, reply.session, np.zeros((41, 8, 8, 1), np.uint8), client_id=1), grpc.StatusCode.INVALID_ARGUMENT, "41"),
+            "unregistered client": (lambda: _upload(stub, "nope", good, client_id=2), grpc.StatusCode.FAILED_PRECONDITION, "client 2"),
+            "stale session": (lambda: _upload(stub, "stale", good, client_id=1), grpc.StatusCode.FAILED_PRECONDITION, "session"),
+        }
+        for name, (call, code, fragment) in cases.items():
+            with pytest.raises(grpc.RpcError) as info:
+                call()
+            assert info.value.code() == code, name
+            assert fragment in info.value.details(), (name, info.value.details())
+
+        assert _upload(stub, reply.session, good, client_id=1).stored == 7
+        with pytest.raises(grpc.RpcError) as info:
+            _upload(stub, reply.session, good, client_id=1)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # uploaded once
+
+        # The first task's payload carries exactly the accepted samples: client 0's 40 and our 7.
+        stream = stub.Subscribe(pb.SubscribeRequest(client_id=1, session=reply.session), timeout=300)
+        task = next(m for m in stream if m.WhichOneof("kind") == "task").task
+        chunks = ((m.chunk.seq, m.chunk.data) for m in stream if m.WhichOneof("kind") == "chunk")
+        meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
+        groups = codec.split_prefixed(codec.decode(codec.assemble(meta, _take(chunks, task.payload.num_chunks))))
+        stream.cancel()
+    images = groups["synthetic"]["images"].numpy()
+    assert images.shape == (47, 8, 8, 1)
+    assert np.array_equal(images[40:], good)
+    assert cfg.sdafl.samples_per_client == 40
+
+
+def _take(iterator, count: int):
+    for _ in range(count):
+        yield next(iterator)

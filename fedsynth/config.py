@@ -75,7 +75,7 @@ class GenerationConfig:
     model_dir: str | None = None
     generator: str | None = None  # host:port of a running generator; None lets the launcher start one
     ddim_steps: int = 10
-    guidance: float = 2.0
+    guidance: float = 1.0  # w of classifier-free guidance; docs/generator.md: w = 3 collapses the tiny digits model
     train_steps: int = 1500  # for a generator the launcher trains on first use
     size: str = "tiny"
 

@@ -1,0 +1,217 @@
+"""Generator training: DDPM noise-prediction loss, label dropout for guidance, EMA weights, atomic checkpoints."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from diffusers import UNet2DModel
+from diffusers.training_utils import EMAModel
+from tqdm import tqdm
+
+from fedsynth.data import DATASETS, load_dataset
+from fedsynth.errors import ConfigError
+from generator_service.ddpm.grid import save_class_grid
+from generator_service.ddpm.model import (
+    METADATA_FILE,
+    SIZES,
+    GeneratorMetadata,
+    build_unet,
+    is_generator_folder,
+    make_train_scheduler,
+    save_generator,
+)
+from generator_service.ddpm.sampling import DdimSampler, SamplingConfig, resolve_device
+
+log = logging.getLogger(__name__)
+CHECKPOINTS = "checkpoints"
+# Horizontal flips are label-preserving for natural images, not for digits.
+FLIP_DATASETS = frozenset({"cifar10", "cifar100"})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    dataset: str
+    out: Path
+    size: str = "tiny"
+    data_dir: Path | None = None
+    steps: int = 1500  # tiny on digits: recognizable images (docs/generator.md); CIFAR needs far more
+    batch_size: int = 64
+    lr: float = 2e-3
+    warmup_steps: int = 100
+    seed: int = 0
+    label_dropout: float = 0.1
+    ema_decay: float = 0.999
+    checkpoint_every: int = 500
+    resume: bool = False
+    device: str = "auto"
+    guidance: float = 1.0  # stored as the serving default
+    ddim_steps: int = 10  # stored as the serving default
+    grid_per_class: int = 10
+    threads: int = 0  # torch CPU threads; 0 keeps torch's default
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dataset not in DATASETS:
+            raise ConfigError(f"unknown dataset {self.dataset!r}; expected one of {', '.join(DATASETS)}")
+        if self.size not in SIZES:
+            raise ConfigError(f"unknown generator size {self.size!r}; expected one of {', '.join(SIZES)}")
+        for name in ("steps", "batch_size", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.label_dropout < 1.0:
+            raise ConfigError(f"label_dropout must be in [0, 1), got {self.label_dropout}")
+        if not 0.0 < self.ema_decay < 1.0:
+            raise ConfigError(f"ema_decay must be in (0, 1), got {self.ema_decay}")
+        if not self.lr > 0.0 or min(self.warmup_steps, self.grid_per_class, self.threads) < 0:
+            raise ConfigError(f"bad lr={self.lr}, warmup_steps={self.warmup_steps}, grid_per_class={self.grid_per_class} "
+                              f"or threads={self.threads}")
+        SamplingConfig(self.ddim_steps, self.guidance, 1)  # validates both
+
+
+def _identity(cfg: TrainConfig) -> dict[str, object]:
+    """Settings a resumed run must share with the checkpoint it continues."""
+    return {k: str(v) for k, v in asdict(cfg).items() if k in ("dataset", "size", "seed", "batch_size", "label_dropout")}
+
+
+def _step_generator(seed: int, step: int) -> torch.Generator:
+    """All randomness of step `step` comes from (seed, step), so a resumed run repeats an uninterrupted one."""
+    state = np.random.SeedSequence([seed, step]).generate_state(2, np.uint32)
+    return torch.Generator().manual_seed((int(state[0]) << 31) ^ int(state[1]))
+
+
+def _checkpoint_dirs(out: Path) -> list[Path]:
+    root = out / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and not p.name.endswith(".tmp"))
+
+
+def _save_checkpoint(out: Path, step: int, unet: UNet2DModel, ema: EMAModel, ema_unet: UNet2DModel,
+                     optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> None:
+    """Write step-N.tmp, then rename it to step-N (atomic) and delete older checkpoints."""
+    root = out / CHECKPOINTS
+    final = root / f"step-{step:08d}"
+    tmp = root / f"step-{step:08d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    unet.save_pretrained(tmp / "unet", safe_serialization=True)
+    ema.copy_to(ema_unet.parameters())
+    ema_unet.save_pretrained(tmp / "ema", safe_serialization=True)
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step, "identity": _identity(cfg)}))
+    os.replace(tmp, final)
+    for older in _checkpoint_dirs(out):
+        if older != final:
+            shutil.rmtree(older, ignore_errors=True)
+
+
+def _read_unet(folder: Path) -> UNet2DModel:
+    return UNet2DModel.from_pretrained(folder, use_safetensors=True, low_cpu_mem_usage=False)
+
+
+def _load_checkpoint(path: Path, cfg: TrainConfig, unet: UNet2DModel, ema: EMAModel,
+                     optimizer: torch.optim.Optimizer) -> int:
+    state = json.loads((path / "state.json").read_text())
+    if state["identity"] != _identity(cfg):
+        raise ConfigError(f"cannot resume from {path}: it was trained with {state['identity']}, not {_identity(cfg)}")
+    unet.load_state_dict(_read_unet(path / "unet").state_dict())
+    ema_weights = _read_unet(path / "ema")
+    ema.shadow_params = [p.detach().clone().to(q.device) for p, q in zip(ema_weights.parameters(), unet.parameters())]
+    ema.optimization_step = int(state["step"])
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    return int(state["step"])
+
+
+def train_generator(cfg: TrainConfig) -> Path:
+    """Train on the dataset's full training split and write a generator folder to cfg.out; return it."""
+    threads = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _train(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(cfg: TrainConfig) -> Path:
+    out = Path(cfg.out)
+    if is_generator_folder(out) and not cfg.resume:
+        raise ConfigError(f"{out} already holds a trained generator; pass --resume to continue it or pick another --out")
+    checkpoints = _checkpoint_dirs(out)
+    if checkpoints and not cfg.resume:
+        raise ConfigError(f"{out} holds checkpoints ({checkpoints[-1].name}); pass --resume or pick another --out")
+    device = resolve_device(cfg.device)
+    data = load_dataset(cfg.dataset, "train", data_dir=cfg.data_dir)
+    images = torch.from_numpy(data.x).permute(0, 3, 1, 2).contiguous()  # uint8 N x C x H x W, converted per batch
+    unet = build_unet(cfg.size, num_classes=data.num_classes, image_shape=data.image_shape, seed=cfg.seed).to(device)
+    ema_unet = build_unet(cfg.size, num_classes=data.num_classes, image_shape=data.image_shape, seed=cfg.seed)
+    ema = EMAModel(unet.parameters(), decay=cfg.ema_decay)
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=cfg.lr, weight_decay=0.0)
+    scheduler = make_train_scheduler()
+    start = _load_checkpoint(checkpoints[-1], cfg, unet, ema, optimizer) if checkpoints else 0
+    if start:
+        log.info("resuming %s from step %d", out, start)
+    autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    flip = cfg.dataset in FLIP_DATASETS
+    unet.train()
+    bar = tqdm(total=cfg.steps, initial=min(start, cfg.steps), desc=f"train {cfg.size} on {cfg.dataset}",
+               disable=not cfg.progress, dynamic_ncols=True)
+    smoothed = None
+    for step in range(start, cfg.steps):
+        g = _step_generator(cfg.seed, step)
+        idx = torch.randint(len(images), (cfg.batch_size,), generator=g)
+        x0 = images[idx].float().div(127.5).sub(1.0)
+        if flip:
+            x0 = torch.where(torch.rand(cfg.batch_size, 1, 1, 1, generator=g) < 0.5, x0.flip(3), x0)
+        labels = torch.from_numpy(data.y)[idx]
+        labels = torch.where(torch.rand(cfg.batch_size, generator=g) < cfg.label_dropout, data.num_classes, labels)
+        noise = torch.randn(x0.shape, generator=g)
+        t = torch.randint(scheduler.config.num_train_timesteps, (cfg.batch_size,), generator=g)
+        x0, labels, noise, t = x0.to(device), labels.to(device), noise.to(device), t.to(device)
+        noisy = scheduler.add_noise(x0, noise, t)
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+        with autocast:
+            loss = F.mse_loss(unet(noisy, t, class_labels=labels).sample.float(), noise)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+        optimizer.step()
+        ema.step(unet.parameters())
+        value = loss.item()
+        smoothed = value if smoothed is None else 0.98 * smoothed + 0.02 * value
+        bar.update(1)
+        bar.set_postfix(loss=f"{smoothed:.4f}")
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+            _save_checkpoint(out, step + 1, unet, ema, ema_unet, optimizer, cfg)
+    bar.close()
+    return _finish(cfg, out, data.num_classes, data.image_shape, unet, ema, ema_unet, device)
+
+
+def _finish(cfg: TrainConfig, out: Path, num_classes: int, image_shape: tuple[int, int, int],
+            unet: UNet2DModel, ema: EMAModel, ema_unet: UNet2DModel, device: torch.device) -> Path:
+    """Save the EMA weights as the generator, then a sample grid (a row per class)."""
+    ema.copy_to(ema_unet.parameters())
+    metadata = GeneratorMetadata(
+        dataset=cfg.dataset, num_classes=num_classes, image_shape=image_shape, size=cfg.size,
+        training_steps=ema.optimization_step, guidance=cfg.guidance, ddim_steps=cfg.ddim_steps,
+        extra={"seed": cfg.seed, "batch_size": cfg.batch_size, "lr": cfg.lr, "label_dropout": cfg.label_dropout,
+               "ema_decay": cfg.ema_decay},
+    )
+    (out / METADATA_FILE).unlink(missing_ok=True)  # the folder is incomplete until save_generator rewrites it
+    metadata = save_generator(out, ema_unet.eval(), make_train_scheduler(), metadata)
+    if cfg.grid_per_class:
+        sampler = DdimSampler(ema_unet, dict(make_train_scheduler().config), num_classes=num_classes,
+                              image_shape=image_shape, config=SamplingConfig(cfg.ddim_steps, cfg.guidance, 64),
+                              device=device)
+        save_class_grid(sampler, out / "samples.png", per_class=cfg.grid_per_class, seed=cfg.seed)
+    log.info("wrote generator %s to %s", metadata.model_id, out)
+    return out

@@ -1,0 +1,46 @@
+"""Prometheus metrics of the generator service, in a registry of its own choosing (tests use one per server)."""
+
+from __future__ import annotations
+
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+
+from fedsynth.metrics import DURATION_BUCKETS, SIZE_BUCKETS
+
+# Images per request reach the tens of thousands (a client's whole synthetic budget in one call).
+REQUEST_IMAGE_BUCKETS = SIZE_BUCKETS + (16384, 65536)
+
+
+class GeneratorMetrics:
+    """Requests are counted apart from images; latencies are histograms; labels stay low-cardinality."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = REGISTRY if registry is None else registry
+        r = self.registry
+        self.requests = Counter("fedsynth_generator_requests", "RPCs answered, by method and status code",
+                                ["method", "code"], registry=r)
+        self.images = Counter("fedsynth_generator_images", "Images sent to clients, by class", ["class_id"], registry=r)
+        self.request_images = Histogram("fedsynth_generator_request_images", "Images asked for per accepted request",
+                                        buckets=REQUEST_IMAGE_BUCKETS, registry=r)
+        self.batch_size = Histogram("fedsynth_generator_batch_size", "Real (unpadded) images per sampling batch",
+                                    buckets=SIZE_BUCKETS, registry=r)
+        self.request_duration = Histogram("fedsynth_generator_request_duration_seconds", "Wall time of accepted Generate RPCs",
+                                          buckets=DURATION_BUCKETS, registry=r)
+        self.queue_wait = Histogram("fedsynth_generator_queue_wait_seconds",
+                                    "Time from a request's arrival until its first image starts sampling",
+                                    buckets=DURATION_BUCKETS, registry=r)
+        self.device_seconds = Counter("fedsynth_generator_device_seconds", "Time spent sampling on the device",
+                                      registry=r)
+        self.queued_images = Gauge("fedsynth_generator_queued_images", "Images waiting to be sampled", registry=r)
+        self.model_load_seconds = Gauge("fedsynth_generator_model_load_seconds", "Time it took to load the model",
+                                        registry=r)
+        self.info = Info("fedsynth_generator", "The served model", registry=r)
+
+
+def serve_registry(port: int, registry: CollectorRegistry, host: str = "127.0.0.1") -> WSGIServer | None:
+    """Like fedsynth.metrics.serve_metrics but for a given registry and stoppable (.shutdown()); port < 0: none."""
+    if port < 0:
+        return None
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server

@@ -1,0 +1,149 @@
+"""The Generator gRPC servicer: validate the request, queue its images on the batcher, stream them back."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from fedsynth.v1 import generator_pb2, generator_pb2_grpc
+from generator_service.batcher import Batcher, BatcherClosed, QueueFull, SamplingFailed
+from generator_service.ddpm.model import GeneratorMetadata
+from generator_service.ddpm.sampling import ImageKey
+from generator_service.metrics import GeneratorMetrics
+
+MAX_MESSAGE_BYTES = 1 << 20  # images per ImageBatch are capped so a message stays far below gRPC's 4 MiB
+INDEX_LIMIT = 1 << 32
+
+
+class RequestError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the servicer needs once the model is loaded."""
+
+    metadata: GeneratorMetadata
+    batcher: Batcher
+    device: str
+    dtype: str
+    ddim_steps: int
+    guidance: float
+
+
+def plan_request(request: generator_pb2.GenerateRequest, *, metadata: GeneratorMetadata,
+                 max_request_images: int) -> list[ImageKey]:
+    """The keys of the requested images in stream order (class, then index), or a RequestError naming the value."""
+    classes = metadata.num_classes
+    counts, offsets = list(request.counts), list(request.offsets)
+    if request.model_id and request.model_id != metadata.model_id:
+        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"model_id {request.model_id!r} requested, but this server serves {metadata.model_id!r}")
+    if len(counts) > classes:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"counts has {len(counts)} entries: class id {len(counts) - 1} is out of range 0..{classes - 1}")
+    if len(offsets) > classes:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"offsets has {len(offsets)} entries: class id {len(offsets) - 1} is out of range 0..{classes - 1}")
+    total = sum(counts)
+    if total == 0:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"empty request: every count is 0 (counts={counts})")
+    if total > max_request_images:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"{total} images requested, above the per-request limit of {max_request_images}; split the request")
+    offsets += [0] * (classes - len(offsets))
+    keys = []
+    for class_id, count in enumerate(counts):
+        if offsets[class_id] + count > INDEX_LIMIT:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"class {class_id}: offset {offsets[class_id]} + count {count} exceeds the index range 2^32")
+        keys += [ImageKey(request.seed, class_id, offsets[class_id] + j) for j in range(count)]
+    return keys
+
+
+class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
+    """Answers UNAVAILABLE until attach() hands it a loaded model."""
+
+    def __init__(self, *, metrics: GeneratorMetrics, max_request_images: int) -> None:
+        self._metrics = metrics
+        self._max_request_images = max_request_images
+        self._model: ServedModel | None = None
+        self._lock = threading.Lock()
+
+    def attach(self, model: ServedModel) -> None:
+        with self._lock:
+            self._model = model
+
+    def _loaded(self, context: grpc.ServicerContext, method: str) -> ServedModel:
+        with self._lock:
+            model = self._model
+        if model is None:
+            self._abort(context, method, grpc.StatusCode.UNAVAILABLE, "the generator model is still loading; retry")
+        assert model is not None
+        return model
+
+    def _abort(self, context: grpc.ServicerContext, method: str, code: grpc.StatusCode, message: str) -> None:
+        self._metrics.requests.labels(method, code.name).inc()
+        context.abort(code, message)
+
+    def Info(self, request: generator_pb2.InfoRequest, context: grpc.ServicerContext) -> generator_pb2.InfoReply:
+        model = self._loaded(context, "Info")
+        meta = model.metadata
+        channels, height, width = meta.image_shape
+        self._metrics.requests.labels("Info", "OK").inc()
+        return generator_pb2.InfoReply(
+            num_classes=meta.num_classes, channels=channels, height=height, width=width, model_id=meta.model_id,
+            size=meta.size, parameters=meta.parameters, backend=meta.backend, device=model.device,
+            dtype=model.dtype, dataset=meta.dataset, ddim_steps=model.ddim_steps, guidance=model.guidance,
+            max_request_images=self._max_request_images, max_batch=model.batcher.max_batch,
+        )
+
+    def Generate(self, request: generator_pb2.GenerateRequest,
+                 context: grpc.ServicerContext) -> Iterator[generator_pb2.ImageBatch]:
+        started = time.monotonic()
+        model = self._loaded(context, "Generate")
+        try:
+            keys = plan_request(request, metadata=model.metadata, max_request_images=self._max_request_images)
+            job = model.batcher.submit(keys)
+        except RequestError as exc:
+            self._abort(context, "Generate", exc.code, str(exc))
+        except QueueFull as exc:
+            self._abort(context, "Generate", grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except BatcherClosed as exc:
+            self._abort(context, "Generate", grpc.StatusCode.UNAVAILABLE, str(exc))
+        self._metrics.request_images.observe(len(keys))
+        if not context.add_callback(lambda: model.batcher.cancel(job)):  # runs when the RPC ends, however it ends
+            model.batcher.cancel(job)  # it has already ended
+        labels = np.array([key.class_id for key in keys], dtype=np.uint32)
+        channels, height, width = model.metadata.image_shape
+        per_message = max(1, MAX_MESSAGE_BYTES // (channels * height * width))
+        sent, code = 0, grpc.StatusCode.CANCELLED  # unless the loop finishes: the client or its deadline ended it
+        try:
+            for chunk in job.chunks():
+                for start in range(0, len(chunk), per_message):
+                    part = chunk[start : start + per_message]
+                    part_labels = labels[sent : sent + len(part)]
+                    yield generator_pb2.ImageBatch(images=part.tobytes(), labels=part_labels.tolist(), height=height,
+                                                   width=width, channels=channels, first_index=sent)
+                    for class_id, n in zip(*np.unique(part_labels, return_counts=True)):
+                        self._metrics.images.labels(str(class_id)).inc(int(n))
+                    sent += len(part)
+            if sent == len(keys):
+                code = grpc.StatusCode.OK
+        except BatcherClosed as exc:
+            code = grpc.StatusCode.UNAVAILABLE
+            context.abort(code, str(exc))
+        except SamplingFailed as exc:  # logged by the batcher; other requests carry on
+            code = grpc.StatusCode.INTERNAL
+            context.abort(code, f"sampling failed: {exc}")
+        finally:
+            model.batcher.cancel(job)
+            self._metrics.request_duration.observe(time.monotonic() - started)
+            self._metrics.requests.labels("Generate", code.name).inc()

@@ -1,0 +1,59 @@
+"""`fedsynth generator train`: train the class-conditional DDPM on a dataset's full training split."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from generator_service.ddpm.model import SIZES
+from generator_service.ddpm.training import TrainConfig, train_generator
+
+DEFAULTS = TrainConfig(dataset="digits", out=Path("generator"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
+    parser.add_argument("--dataset", required=True, help="digits, cifar10, cifar100 or npz (training split, all of it)")
+    parser.add_argument("--data-dir", type=Path, default=None, help="folder with train.npz/test.npz (cifar, npz)")
+    parser.add_argument("--size", choices=list(SIZES), default=d.size,
+                        help="UNet size: tiny (~0.7M, CPU), half (~9M), ddpm-cifar (35.7M, GPU) (default %(default)s)")
+    parser.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=d.batch_size, help="default %(default)s")
+    parser.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate after warm-up (default %(default)s)")
+    parser.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear lr warm-up (default %(default)s)")
+    parser.add_argument("--out", type=Path, required=True, help="generator folder to write (checkpoints go in OUT/checkpoints)")
+    parser.add_argument("--seed", type=int, default=d.seed, help="seeds init, batches, noise and dropout (default %(default)s)")
+    parser.add_argument("--label-dropout", type=float, default=d.label_dropout,
+                        help="probability of training with the null label, for classifier-free guidance (default %(default)s)")
+    parser.add_argument("--ema-decay", type=float, default=d.ema_decay, help="EMA decay of the saved weights (default %(default)s)")
+    parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                        help="steps between atomic checkpoints (default %(default)s)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT/checkpoints")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device, help="default %(default)s")
+    parser.add_argument("--guidance", type=float, default=d.guidance,
+                        help="serving default for the guidance weight w, stored in the folder (default %(default)s)")
+    parser.add_argument("--ddim-steps", type=int, default=d.ddim_steps,
+                        help="serving default for DDIM steps, stored in the folder (default %(default)s)")
+    parser.add_argument("--grid-per-class", type=int, default=d.grid_per_class,
+                        help="samples per class in OUT/samples.png, 0 for none (default %(default)s)")
+    parser.add_argument("--threads", type=int, default=d.threads,
+                        help="torch CPU threads, 0 = torch's default; 1 is fastest on a crowded CPU (default %(default)s)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        dataset=args.dataset, out=args.out, size=args.size, data_dir=args.data_dir, steps=args.steps,
+        batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed,
+        label_dropout=args.label_dropout, ema_decay=args.ema_decay, checkpoint_every=args.checkpoint_every,
+        resume=args.resume, device=args.device, guidance=args.guidance, ddim_steps=args.ddim_steps,
+        grid_per_class=args.grid_per_class, threads=args.threads, progress=not args.no_progress,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    out = train_generator(config_from_args(args))
+    print(f"generator written to {out}")
+    return 0

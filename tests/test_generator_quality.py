@@ -1,0 +1,21 @@
+"""The default CPU recipe (tiny UNet, digits) makes images a classifier trained on real digits recognizes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from generator_service.ddpm.quality import classifier_check
+from generator_service.ddpm.training import TrainConfig, train_generator
+
+
+@pytest.mark.slow
+def test_tiny_generator_trained_on_digits_draws_recognizable_digits(tmp_path: Path) -> None:
+    # Several minutes on 2 CPU cores (docs/generator.md has the measured figures).
+    folder = train_generator(TrainConfig(dataset="digits", out=tmp_path / "gen", size="tiny", device="cpu",
+                                         threads=1, progress=False))
+    report = classifier_check(folder, per_class=50, seed=1)
+    assert report.real_test_accuracy > 0.9  # the judge itself is competent
+    assert report.generated_accuracy > 0.9, report
+    assert min(report.per_class_accuracy) > 0.7, report

@@ -44,11 +44,11 @@ def run(folder: Path, args: argparse.Namespace, max_steps: int) -> tuple[dict, l
     group = ProcessGroup(folder / "logs")
     try:
         port_file = folder / "coordinator.port"
-        coordinator = group.start("coordinator", fedsynth_command("coordinator", *sets, "--out-dir", str(folder / "run"), "--port", "0", "--port-file", str(port_file)))
+        coordinator = group.start("coordinator", fedsynth_command("coordinator", *sets, "--out-dir", str(folder / "run"), "--port", "0", "--port-file", str(port_file), "--insecure"))
         address = f"127.0.0.1:{wait_for_file(port_file, coordinator, timeout_s=180)}"
         for lo in range(0, args.clients, args.clients_per_process):
             ids = f"{lo}-{min(lo + args.clients_per_process, args.clients) - 1}"
-            group.start(f"client-{ids}", fedsynth_command("client", "--coordinator", address, "--clients", ids, "--torch-threads", "1", "--cache-dir", str(folder / "cache")))
+            group.start(f"client-{ids}", fedsynth_command("client", "--coordinator", address, "--clients", ids, "--torch-threads", "1", "--cache-dir", str(folder / "cache"), "--insecure"))
         arrivals = []
         with grpcutil.make_channel(address) as channel:
             for summary in pb_grpc.CoordinatorStub(channel).WatchRounds(pb.WatchRequest(), timeout=1800, wait_for_ready=True):

@@ -66,7 +66,7 @@ def start_coordinator(group: ProcessGroup, folder: Path, rounds: int) -> str:
     }
     sets = [item for key, value in settings.items() for item in ("--set", f"{key}={json.dumps(value)}")]
     port_file = folder / "coordinator.port"
-    child = group.start("coordinator", fedsynth_command("coordinator", *sets, "--out-dir", str(folder / "run"), "--port", "0", "--port-file", str(port_file)))
+    child = group.start("coordinator", fedsynth_command("coordinator", *sets, "--out-dir", str(folder / "run"), "--port", "0", "--port-file", str(port_file), "--insecure"))
     return f"127.0.0.1:{wait_for_file(port_file, child, timeout_s=180)}"
 
 

@@ -12,6 +12,7 @@ import torch
 
 from client_node.metrics import ClientMetrics
 from client_node.node import NodeOptions, run_clients
+from fedsynth import tls
 from fedsynth.errors import ConfigError
 from fedsynth.metrics import serve_metrics
 from fedsynth.runtime import setup_logging, write_atomic
@@ -51,6 +52,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port; 0 picks a free one, -1 disables")
     parser.add_argument("--metrics-port-file", help="write the bound metrics port to this file")
     parser.add_argument("--log-level", default="INFO")
+    tls.add_tls_arguments(parser, server=False)
+
+
+def node_options(args: argparse.Namespace, ids: list[int]) -> dict[int, NodeOptions]:
+    """One NodeOptions per logical client: with TLS each dials with its own client-K certificate."""
+    if len(ids) > 1 and (args.tls_cert or args.tls_key):
+        raise ConfigError(f"--tls-cert/--tls-key name one identity but this process hosts clients {args.clients}; "
+                          "use --tls-dir (one client-K certificate per logical client)")
+    options = {}
+    for cid in ids:
+        files = tls.tls_files_from_args(args, f"client-{cid}")
+        if files is not None and files.identity().node_id != f"client-{cid}":
+            raise ConfigError(f"certificate {files.cert} is {files.identity().node_id}'s, not client-{cid}'s")
+        credentials = None if files is None else tls.channel_credentials(files)
+        options[cid] = NodeOptions(coordinator=args.coordinator, generator=args.generator, cache_dir=Path(args.cache_dir),
+                                   reconnect_timeout_s=args.reconnect_timeout, credentials=credentials)
+    return options
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,11 +79,11 @@ def run(args: argparse.Namespace) -> int:
     if args.torch_threads < 1:
         raise ConfigError(f"--torch-threads must be >= 1, got {args.torch_threads}")
     torch.set_num_threads(args.torch_threads)
+    options = node_options(args, ids)
     port = serve_metrics(args.metrics_port)
     if port is not None and args.metrics_port_file:
         write_atomic(Path(args.metrics_port_file), str(port))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    options = NodeOptions(coordinator=args.coordinator, generator=args.generator, cache_dir=Path(args.cache_dir), reconnect_timeout_s=args.reconnect_timeout)
     return run_clients(ids, options, ClientMetrics(), stop)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +18,7 @@ from client_node.sdafl_client import ensure_samples, upload
 from client_node.synthesis import SyntheticSet, synthesize
 from fedsynth import codec, grpcutil
 from fedsynth.algorithms.base import snapshot_state
-from fedsynth.allocation import fedeas_client_budget
+from fedsynth.allocation import fedeas_generation_row
 from fedsynth.assembly import algorithm_for, client_shard, local_train_config, round_generator
 from fedsynth.config import RunConfig, from_json
 from fedsynth.errors import FedsynthError, WireError
@@ -120,7 +120,7 @@ class LogicalClient:
             pb.RegisterRequest(
                 client_id=self.client_id,
                 num_samples=len(self.state.real_y),
-                fedeas_budget=fedeas_client_budget(counts, cfg.generation.beta) if cfg.generation.policy != "none" else 0,
+                fedeas_images=int(fedeas_generation_row(counts, cfg.generation.beta).sum()) if cfg.generation.policy != "none" else 0,
                 missing_classes=[int(c) for c in np.flatnonzero(counts == 0)] if cfg.generation.policy == "missing" else [],
                 run_id=spec.run_id,
                 synthetic_digest=self.state.shared_digest,
@@ -204,7 +204,6 @@ class LogicalClient:
             generation_report = pb.GenerationReport(
                 images=self.state.synthetic.count,
                 wall_seconds=wall,
-                device_seconds=self.state.synthetic.device_seconds,
                 cache_hit=self.state.synthetic.cache_hit,
             )
 
@@ -272,11 +271,14 @@ class LogicalClient:
         }
 
 
-def run_clients(client_ids: list[int], options: NodeOptions, metrics: ClientMetrics, stop: threading.Event) -> int:
-    """Run several logical clients in one process, each in its own thread; the worst exit code wins."""
+def run_clients(
+    client_ids: list[int], options: NodeOptions | Mapping[int, NodeOptions], metrics: ClientMetrics, stop: threading.Event
+) -> int:
+    """Run several logical clients in one process, each in its own thread (and, given a mapping, with its own options:
+    its own TLS identity); the worst exit code wins."""
     codes: dict[int, int] = {}
 
-    clients = [LogicalClient(cid, options, metrics, stop) for cid in client_ids]
+    clients = [LogicalClient(cid, options[cid] if isinstance(options, Mapping) else options, metrics, stop) for cid in client_ids]
 
     def _one(client: LogicalClient) -> None:
         cid = client.client_id

@@ -32,6 +32,8 @@ def dpgan_fields(cfg: RunConfig, client_id: int) -> dict[str, Any]:
         "critic_width": s.gan_width,
         "steps": s.gan_steps,
         "batch_size": s.gan_batch_size,
+        "lr": s.gan_lr,
+        "secure_noise": s.secure_noise,
         "max_grad_norm": s.max_grad_norm,
         "accountant": s.accountant,
         "seed": client_seed(cfg, client_id, "dpgan") % (2**31),

@@ -23,7 +23,6 @@ log = logging.getLogger(__name__)
 class SyntheticSet:
     x: np.ndarray
     y: np.ndarray
-    device_seconds: float
     cache_hit: bool
 
     @property
@@ -57,29 +56,33 @@ def synthesize(
     counts = np.bincount(real_y, minlength=num_classes)
     quota = planned_quota(cfg, counts, assigned)
     if quota.sum() == 0:
-        return SyntheticSet(np.zeros((0, 1, 1, 1), np.uint8), np.zeros(0, np.int64), 0.0, False)
+        return SyntheticSet(np.zeros((0, 1, 1, 1), np.uint8), np.zeros(0, np.int64), False)
     if options.generator is None:
         raise ConfigError(f"policy {cfg.generation.policy!r} needs a generator service (--generator HOST:PORT)")
-    from fedsynth.generator_client import fetch_images, generator_info
+    from fedsynth.generator_client import GeneratorInfo, fetch_images
 
     channel = grpcutil.make_channel(options.generator, options.credentials)
     try:
-        info = generator_info(channel, timeout_s=60.0)
+        info = GeneratorInfo.fetch(channel, timeout_s=60.0)
+        if info.num_classes != num_classes:
+            raise ConfigError(f"the generator at {options.generator} serves {info.num_classes} classes; this run has {num_classes}")
         seed = client_seed(cfg, client_id, "generation")
         identity = {"model_id": info.model_id, "seed": seed, "image_shape": list(info.image_shape)}
         cache = SyntheticCache(options.cache_dir / f"client-{client_id:04d}", identity=identity, num_classes=num_classes)
         missing = np.maximum(quota - cache.have, 0)
-        device_seconds = 0.0
         if missing.sum() > 0:
             started = time.monotonic()
             metrics.images_requested.inc(int(missing.sum()))
 
-            def on_batch(class_id: int, first: int, images: np.ndarray) -> None:
-                cache.append(class_id, first, images)
+            def on_batch(labels: np.ndarray, images: np.ndarray, _first: int) -> None:
+                for class_id in np.unique(labels):  # a batch may span the end of one class and the start of the next
+                    rows = labels == class_id
+                    cache.append(int(class_id), int(cache.have[class_id]), images[rows])
                 metrics.images_received.inc(len(images))
 
-            device_seconds = fetch_images(
-                channel, missing, seed=seed, offsets=cache.have.copy(), on_batch=on_batch, timeout_s=cfg.runtime.round_timeout_s
+            fetch_images(
+                channel, missing.tolist(), seed=seed, offsets=cache.have.tolist(), model_id=info.model_id,
+                on_batch=on_batch, timeout_s=cfg.runtime.round_timeout_s,
             )
             metrics.generation_seconds.observe(time.monotonic() - started)
             log.info("client %d: generated %d images in %.1fs", client_id, int(missing.sum()), time.monotonic() - started)
@@ -89,4 +92,4 @@ def synthesize(
         x, y = cache.images(quota)
     finally:
         channel.close()
-    return SyntheticSet(x, y, device_seconds, cache_hit=bool(missing.sum() == 0))
+    return SyntheticSet(x, y, cache_hit=bool(missing.sum() == 0))

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 class ClientRecord:
     client_id: int
     num_samples: int
-    fedeas_budget: int
+    fedeas_images: int
     missing_classes: tuple[int, ...]
     session: str
     outbox: queue.Queue[Any] | None = None
@@ -138,7 +138,7 @@ class Federation:
     # ---- registration and streams (called from gRPC threads) -----------------------------------
 
     def register(
-        self, client_id: int, num_samples: int, fedeas_budget: int, missing: Iterable[int], run_id: str, synthetic_digest: str = ""
+        self, client_id: int, num_samples: int, fedeas_images: int, missing: Iterable[int], run_id: str, synthetic_digest: str = ""
     ) -> str:
         if run_id != self.run_id:
             raise StateError(f"client {client_id} was configured for run {run_id!r}, this coordinator runs {self.run_id!r}")
@@ -151,10 +151,10 @@ class Federation:
             raise WireError(f"client {client_id} reported missing class ids {missing} outside 0..{self.num_classes - 1}")
         with self._lock:
             old = self._clients.get(client_id)
-            if old and self.quota is not None and (old.num_samples, old.fedeas_budget, old.missing_classes) != (num_samples, fedeas_budget, missing):
+            if old and self.quota is not None and (old.num_samples, old.fedeas_images, old.missing_classes) != (num_samples, fedeas_images, missing):
                 raise StateError(f"client {client_id} re-registered with different data than before")
             session = secrets.token_hex(16)
-            record = ClientRecord(client_id, num_samples, fedeas_budget, missing, session)
+            record = ClientRecord(client_id, num_samples, fedeas_images, missing, session)
             record.has_synthetic = self.sdafl is not None and bool(synthetic_digest) and synthetic_digest == self.sdafl.digest()
             if old is not None:
                 record.generation = old.generation
@@ -162,7 +162,7 @@ class Federation:
             self._clients[client_id] = record
             self.metrics.clients_registered.set(len(self._clients))
             self._lock.notify_all()
-        log.info("client %d registered (N_k=%d, b_k=%d)", client_id, num_samples, fedeas_budget)
+        log.info("client %d registered (N_k=%d, FedEAS images %d)", client_id, num_samples, fedeas_images)
         return session
 
     def _record(self, client_id: int, session: str) -> ClientRecord:
@@ -338,7 +338,7 @@ class Federation:
             present[record.client_id, list(record.missing_classes)] = 0
         total = self.cfg.generation.budget
         if total is None:
-            total = sum(r.fedeas_budget for r in self._clients.values())
+            total = sum(r.fedeas_images for r in self._clients.values())
         return matched_quota(policy, present, int(total))
 
     def _delivery(self, rnd: RoundInProgress, client_id: int) -> TaskDelivery:

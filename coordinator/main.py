@@ -13,7 +13,7 @@ import torch
 from coordinator.federation import Federation
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
-from fedsynth import grpcutil
+from fedsynth import grpcutil, tls
 from fedsynth.config import load_config
 from fedsynth.errors import QuorumError
 from fedsynth.metrics import serve_metrics
@@ -22,25 +22,36 @@ from fedsynth.v1 import coordinator_pb2_grpc
 
 log = logging.getLogger("coordinator")
 
+# With mutual TLS, the client id each of these RPCs claims must be the caller's certificate's (else PERMISSION_DENIED).
+CLAIMED_CLIENT_ID: dict[str, tls.ClaimedClientId] = {
+    "Register": lambda request: request.client_id,
+    "Subscribe": lambda request: request.client_id,
+    "SubmitUpdate": lambda first: first.header.client_id if first.WhichOneof("kind") == "header" else None,
+    "UploadSynthetic": lambda first: first.header.client_id if first.WhichOneof("kind") == "header" else None,
+}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="run config (TOML); without it the embedded default")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value, e.g. train.rounds=5")
     parser.add_argument("--out-dir", help="run folder for the checkpoint and coordinator.json (default: the config's out_dir)")
-    parser.add_argument("--host", default=None, help="address to bind (default: the config's runtime.host, 127.0.0.1)")
+    parser.add_argument("--host", default=None, help="address to bind (default: the config's runtime.host with TLS; 127.0.0.1 with --insecure)")
     parser.add_argument("--port", type=int, default=None, help="port to bind; 0 picks a free one (default: runtime.coordinator_port)")
     parser.add_argument("--port-file", help="write the bound port to this file once serving")
     parser.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port; 0 picks a free one, -1 disables")
     parser.add_argument("--metrics-port-file", help="write the bound metrics port to this file")
     parser.add_argument("--log-level", default="INFO")
+    tls.add_tls_arguments(parser, server=True)
 
 
 def run(args: argparse.Namespace) -> int:
     setup_logging("coordinator", args.log_level)
+    security = tls.ServerSecurity.from_args(args, "coordinator")
+    credentials = security.credentials()  # read and checked before anything else starts
     cfg = load_config(args.config, args.set)
     torch.set_num_threads(cfg.runtime.torch_threads)
     out_dir = Path(args.out_dir or cfg.out_dir)
-    host = args.host or cfg.runtime.host
+    host = security.bind_host(args.host, cfg.runtime.host)
     port = cfg.runtime.coordinator_port if args.port is None else args.port
     metrics_port = serve_metrics(args.metrics_port)
     if metrics_port is not None and args.metrics_port_file:
@@ -48,13 +59,15 @@ def run(args: argparse.Namespace) -> int:
     federation = Federation(cfg, out_dir, CoordinatorMetrics())
 
     server = grpcutil.make_server(max_workers=max(16, 2 * cfg.data.clients + 8))
-    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(federation, cfg.runtime.heartbeat_s), server)
+    servicer = security.guard(CoordinatorServicer(federation, cfg.runtime.heartbeat_s), CLAIMED_CLIENT_ID)
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
     health = grpcutil.add_health(server, SERVICE_NAME)
-    bound = grpcutil.bind(server, f"{host}:{port}")
+    bound = grpcutil.bind(server, f"{host}:{port}", credentials)
     server.start()
     grpcutil.set_serving(health, SERVICE_NAME)
     stopped = grpcutil.stop_on_signals(server, health, before_stop=federation.close_streams)
-    log.info("coordinator serving on %s:%d (run %s, resuming after round %d)", host, bound, federation.run_id, federation.completed)
+    log.info("coordinator serving on %s:%d (%s; run %s, resuming after round %d)", host, bound,
+             "mutual TLS" if security.files else "PLAINTEXT", federation.run_id, federation.completed)
     if args.port_file:
         write_atomic(Path(args.port_file), str(bound))
 

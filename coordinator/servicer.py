@@ -48,7 +48,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             session = self.federation.register(
                 request.client_id,
                 request.num_samples,
-                request.fedeas_budget,
+                request.fedeas_images,
                 request.missing_classes,
                 request.run_id,
                 request.synthetic_digest,
@@ -103,7 +103,6 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     {
                         "images": h.generation.images,
                         "wall_seconds": h.generation.wall_seconds,
-                        "device_seconds": h.generation.device_seconds,
                         "cache_hit": h.generation.cache_hit,
                     }
                     if h.HasField("generation")

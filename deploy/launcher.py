@@ -14,7 +14,8 @@ from tqdm import tqdm
 
 from deploy.processes import ProcessGroup, fedsynth_command, wait_for_file
 from deploy.report import build_report, load_coordinator_record
-from fedsynth import grpcutil
+from deploy.scrape import scrape, total
+from fedsynth import grpcutil, tls
 from fedsynth.config import RunConfig, load_config
 from fedsynth.errors import ConfigError
 from fedsynth.runtime import EXIT_INTERRUPTED, setup_logging, write_json
@@ -46,6 +47,11 @@ class Launcher:
         self.out_dir = out_dir
         self.group = ProcessGroup(out_dir / "logs")
         self.generation_setup_s = 0.0
+        self.generator_metrics_file: Path | None = None
+        # runtime.tls_dir: every role over mutual TLS, the launcher itself as `operator`; else plaintext on this machine.
+        tls_dir = cfg.runtime.tls_dir
+        self.tls_flags = ["--tls-dir", tls_dir] if tls_dir else ["--insecure"]
+        self.credentials = tls.channel_credentials(tls.TLSFiles.from_dir(Path(tls_dir), "operator")) if tls_dir else None
 
     def _config_args(self) -> list[str]:
         config = ["--config", self.args.config] if self.args.config else []
@@ -60,18 +66,21 @@ class Launcher:
         started = time.monotonic()
         model_dir = ensure_generator_model(self.cfg, self.group)
         port_file = self.out_dir / "generator.port"
-        port_file.unlink(missing_ok=True)
+        self.generator_metrics_file = self.out_dir / "generator.metrics-port"
+        for stale in (port_file, self.generator_metrics_file):
+            stale.unlink(missing_ok=True)
         child = self.group.start(
             "generator",
             fedsynth_command(
                 "generator", "serve", "--model", str(model_dir), "--host", self.cfg.runtime.host, "--port", "0",
-                "--port-file", str(port_file), "--metrics-port", "0", "--ddim-steps", str(gen.ddim_steps),
-                "--guidance", str(gen.guidance),
+                "--port-file", str(port_file), "--metrics-port", "0", "--metrics-port-file", str(self.generator_metrics_file),
+                "--ddim-steps", str(gen.ddim_steps), "--threads", str(self.cfg.runtime.torch_threads),
+                "--guidance", str(gen.guidance), *self.tls_flags,
             ),
         )
         port = wait_for_file(port_file, child, timeout_s=START_TIMEOUT_S)
         address = f"{self.cfg.runtime.host}:{port}"
-        channel = grpcutil.make_channel(address)
+        channel = grpcutil.make_channel(address, self.credentials)
         grpcutil.wait_for_serving(channel, "fedsynth.v1.Generator", timeout_s=START_TIMEOUT_S)
         channel.close()
         self.generation_setup_s = time.monotonic() - started
@@ -83,8 +92,8 @@ class Launcher:
         child = self.group.start(
             "coordinator",
             fedsynth_command(
-                "coordinator", *self._config_args(), "--out-dir", str(self.out_dir), "--port", str(self.cfg.runtime.coordinator_port),
-                "--port-file", str(port_file), "--metrics-port", "0",
+                "coordinator", *self._config_args(), "--out-dir", str(self.out_dir), "--host", self.cfg.runtime.host,
+                "--port", str(self.cfg.runtime.coordinator_port), "--port-file", str(port_file), "--metrics-port", "0", *self.tls_flags,
             ),
         )
         self.coordinator = child
@@ -95,7 +104,7 @@ class Launcher:
         for ids in _client_groups(self.cfg):
             command = fedsynth_command(
                 "client", "--coordinator", coordinator, "--clients", ids, "--cache-dir", str(self.out_dir / "cache"),
-                "--torch-threads", str(self.cfg.runtime.torch_threads), "--metrics-port", "0",
+                "--torch-threads", str(self.cfg.runtime.torch_threads), "--metrics-port", "0", *self.tls_flags,
             )
             if generator:
                 command += ["--generator", generator]
@@ -103,7 +112,7 @@ class Launcher:
 
     def follow(self, coordinator: str) -> bool:
         """Show progress from the coordinator's pushed round summaries; True when the run succeeded."""
-        channel = grpcutil.make_channel(coordinator)
+        channel = grpcutil.make_channel(coordinator, self.credentials)
         stub = pb_grpc.CoordinatorStub(channel)
         total = self.cfg.train.rounds
         bar = tqdm(total=total, desc="rounds", unit="round", disable=self.args.no_progress, file=sys.stderr)
@@ -128,6 +137,23 @@ class Launcher:
         return False
 
 
+    def generator_counters(self) -> dict[str, float] | None:
+        """The generator's own totals, read from its /metrics before it stops (None without a generator)."""
+        if self.generator_metrics_file is None or not self.generator_metrics_file.is_file():
+            return None
+        port = self.generator_metrics_file.read_text().strip()
+        try:
+            values = scrape(f"http://127.0.0.1:{port}/metrics")
+        except OSError as exc:
+            log.warning("could not read the generator's metrics: %s", exc)
+            return None
+        return {
+            "images_total": int(total(values, "fedsynth_generator_images_total")),
+            "device_seconds": total(values, "fedsynth_generator_device_seconds_total"),
+            "requests_total": int(total(values, "fedsynth_generator_requests_total")),
+        }
+
+
 def run(args: argparse.Namespace) -> int:
     setup_logging("launcher", args.log_level)
     cfg = load_config(args.config, args.set)
@@ -136,10 +162,7 @@ def run(args: argparse.Namespace) -> int:
     write_json(out_dir / "config.json", cfg.to_dict())
     launcher = Launcher(cfg, args, out_dir)
     started = time.monotonic()
-    interrupted = {"flag": False}
-
     def _on_signal(signum: int, _frame: object) -> None:
-        interrupted["flag"] = True
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _on_signal)
@@ -150,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("run folder %s; logs in %s", out_dir, launcher.group.log_dir)
         success = launcher.follow(coordinator)
         code = launcher.coordinator.process.wait(timeout=60)
+        counters = launcher.generator_counters()
     except KeyboardInterrupt:
         log.warning("interrupted: stopping every process (the checkpoint keeps completed rounds)")
         launcher.group.stop_all()
@@ -161,9 +185,15 @@ def run(args: argparse.Namespace) -> int:
         launcher.group.stop_all()
     record = load_coordinator_record(out_dir)
     report = build_report(
-        record, wall_clock_s=time.monotonic() - started, processes=launcher.group.pids(), generation_wall_s=launcher.generation_setup_s
+        record,
+        wall_clock_s=time.monotonic() - started,
+        processes=launcher.group.pids(),
+        generation_wall_s=launcher.generation_setup_s,
+        generator_counters=counters,
     )
     write_json(out_dir / "report.json", report)
+    from deploy.report_render import render_report  # matplotlib loads only here
+    render_report(out_dir)  # report.md and plots/ beside report.json
     if report["final_accuracy"] is not None:
         log.info(
             "final accuracy %.4f (last-%d mean %.4f), %d synthetic images, %.1fs wall-clock; report: %s",

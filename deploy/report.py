@@ -10,7 +10,15 @@ PHASES = ("generation", "training", "communication", "aggregation", "evaluation"
 LAST_N = 20
 
 
-def build_report(coordinator: dict[str, Any], *, wall_clock_s: float, processes: dict[str, int], generation_wall_s: float = 0.0) -> dict[str, Any]:
+def build_report(
+    coordinator: dict[str, Any],
+    *,
+    wall_clock_s: float,
+    processes: dict[str, int],
+    generation_wall_s: float = 0.0,
+    generator_counters: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """generation.device_seconds is the generator's own sampling time (its Prometheus counter), when it ran."""
     rounds = coordinator.get("rounds", [])
     accuracies = [r["accuracy"] for r in rounds]
     tail = accuracies[-LAST_N:]
@@ -41,9 +49,10 @@ def build_report(coordinator: dict[str, Any], *, wall_clock_s: float, processes:
         "generation": {
             "total_images": int(sum(g.get("images", 0) for g in per_client.values())),
             "per_client": {cid: int(g.get("images", 0)) for cid, g in per_client.items()},
-            "device_seconds": float(sum(g.get("device_seconds", 0.0) for g in per_client.values())),
+            "device_seconds": float(generator_counters["device_seconds"]) if generator_counters else 0.0,
             "wall_seconds": float(max((g.get("wall_seconds", 0.0) for g in per_client.values()), default=0.0)),
             "cache_hits": sorted(cid for cid, g in per_client.items() if g.get("cache_hit")),
+            "generator": generator_counters,
         },
         "wall_clock_s": wall_clock_s,
         "phases_s": phases,

@@ -68,7 +68,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    policy: str = "none"
+    policy: str = "fedeas"  # the embedded default run is FedEAS; "none" is plain federated training
     beta: float = 12.0
     budget: int | None = None
     backend: str = "ddpm"

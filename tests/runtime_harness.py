@@ -122,7 +122,8 @@ class Runtime:
         port_file.unlink(missing_ok=True)
         sets = [item for override in overrides(settings) for item in ("--set", override)]
         command = fedsynth_command(
-            "coordinator", *sets, "--out-dir", str(out_dir), "--host", "127.0.0.1", "--port", str(port), "--port-file", str(port_file)
+            "coordinator", *sets, "--out-dir", str(out_dir), "--host", "127.0.0.1", "--port", str(port), "--port-file", str(port_file),
+            "--insecure",
         )
         child = self.group.start(role, command)
         bound = int(wait_for_file(port_file, child, timeout_s=START_TIMEOUT_S))
@@ -132,7 +133,7 @@ class Runtime:
         """Start one `fedsynth client` process hosting the logical clients `ids` ("0", "0-3", "0,2")."""
         command = fedsynth_command(
             "client", "--coordinator", address, "--clients", ids, "--torch-threads", str(torch_threads),
-            "--cache-dir", str(self.root / "cache"), "--reconnect-timeout", str(reconnect_timeout_s),
+            "--cache-dir", str(self.root / "cache"), "--reconnect-timeout", str(reconnect_timeout_s), "--insecure",
         )
         return self.group.start(self._role(f"client-{ids}"), command)
 

@@ -21,20 +21,20 @@ class RunSpec(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., num_clients: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("client_id", "num_samples", "fedeas_budget", "missing_classes", "run_id", "synthetic_digest")
+    __slots__ = ("client_id", "num_samples", "fedeas_images", "missing_classes", "run_id", "synthetic_digest")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
-    FEDEAS_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    FEDEAS_IMAGES_FIELD_NUMBER: _ClassVar[int]
     MISSING_CLASSES_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SYNTHETIC_DIGEST_FIELD_NUMBER: _ClassVar[int]
     client_id: int
     num_samples: int
-    fedeas_budget: int
+    fedeas_images: int
     missing_classes: _containers.RepeatedScalarFieldContainer[int]
     run_id: str
     synthetic_digest: str
-    def __init__(self, client_id: _Optional[int] = ..., num_samples: _Optional[int] = ..., fedeas_budget: _Optional[int] = ..., missing_classes: _Optional[_Iterable[int]] = ..., run_id: _Optional[str] = ..., synthetic_digest: _Optional[str] = ...) -> None: ...
+    def __init__(self, client_id: _Optional[int] = ..., num_samples: _Optional[int] = ..., fedeas_images: _Optional[int] = ..., missing_classes: _Optional[_Iterable[int]] = ..., run_id: _Optional[str] = ..., synthetic_digest: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("session", "completed_rounds", "synthetic_uploaded")
@@ -113,16 +113,14 @@ class ServerMessage(_message.Message):
     def __init__(self, task: _Optional[_Union[Task, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., finished: _Optional[_Union[RunFinished, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
 class GenerationReport(_message.Message):
-    __slots__ = ("images", "wall_seconds", "device_seconds", "cache_hit")
+    __slots__ = ("images", "wall_seconds", "cache_hit")
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    DEVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     images: int
     wall_seconds: float
-    device_seconds: float
     cache_hit: bool
-    def __init__(self, images: _Optional[int] = ..., wall_seconds: _Optional[float] = ..., device_seconds: _Optional[float] = ..., cache_hit: _Optional[bool] = ...) -> None: ...
+    def __init__(self, images: _Optional[int] = ..., wall_seconds: _Optional[float] = ..., cache_hit: _Optional[bool] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
     __slots__ = ("client_id", "session", "round", "task_id", "payload", "train_seconds", "train_loss", "num_steps", "train_samples", "generation")

@@ -77,7 +77,7 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Register(self, request, context):
-        """Join (or rejoin) the federation, reporting what the method needs (see docs/protocol.md).
+        """Join (or rejoin) the federation, reporting what the method needs (see docs/fedeas-runtime.md).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -13,17 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Linux: the child gets SIGTERM if the launcher dies, even by kill -9, so no orphan outlives a run."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
 def fedsynth_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "fedsynth.cli", *args]
 
@@ -54,7 +42,9 @@ class ProcessGroup:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            # No preexec_fn: it forces fork() in a process that has used gRPC, whose fork handlers can abort
+            # the child. Without it CPython spawns with vfork/posix_spawn. Children end when the launcher stops
+            # them; after a kill -9 of the launcher, clients give up once the coordinator is gone.
         )
         handle.close()
         child = Child(role, process, log_path)

@@ -1,0 +1,1 @@
+"""Prometheus for fedsynth: the scrape config, its file_sd targets and the tool that writes them."""

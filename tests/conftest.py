@@ -48,3 +48,18 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory) -> FinishedRun:
     ckpt = checkpoint.load(root / "run")
     assert ckpt is not None and ckpt.completed_rounds == SAMPLED_RUN["train.rounds"]
     return FinishedRun(root / "run", read_record(root / "run"), ckpt.global_state)
+
+
+@pytest.fixture(scope="session")
+def tiny_generator(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A diffusers generator trained for 4 steps on digits: enough for tests that count or compare images."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("generator") / "model"
+    subprocess.run(
+        [sys.executable, "-m", "fedsynth.cli", "generator", "train", "--dataset", "digits", "--size", "tiny", "--steps", "4",
+         "--batch-size", "16", "--out", str(out), "--no-progress", "--grid-per-class", "0", "--threads", "1"],
+        check=True, timeout=300, capture_output=True,
+    )
+    return out

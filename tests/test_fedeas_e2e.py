@@ -20,18 +20,6 @@ RUN = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny_generator(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A generator trained for a handful of steps: image quality does not matter for counting images."""
-    out = tmp_path_factory.mktemp("gen") / "model"
-    subprocess.run(
-        [sys.executable, "-m", "fedsynth.cli", "generator", "train", "--dataset", "digits", "--size", "tiny", "--steps", "4",
-         "--batch-size", "16", "--out", str(out), "--no-progress", "--grid-per-class", "0", "--threads", "1"],
-        check=True, timeout=300, capture_output=True,
-    )
-    return out
-
-
 def _run(tmp_path: Path, model: Path, policy: str) -> dict:
     out = tmp_path / policy
     sets = [*RUN, f"generation.policy={policy}", f"generation.model_dir={json.dumps(str(model))}"]

@@ -25,6 +25,9 @@ def build_report(
     per_client = {cid: g for cid, g in coordinator.get("generation", {}).items()}
     phases = {phase: sum(r["phases_s"].get(phase, 0.0) for r in rounds) for phase in PHASES}
     phases["generation"] += generation_wall_s  # generator training/start-up before round 1, if any
+    sdafl = coordinator.get("sdafl") or {}
+    # SDA-FL: the clients' DP-GANs train in parallel before round 1; the slowest one is the wall-clock cost.
+    phases["generation"] += max((p.get("gan_seconds", 0.0) for p in sdafl.values()), default=0.0)
     return {
         "run_id": coordinator.get("run_id"),
         "success": coordinator.get("success", False),
@@ -54,6 +57,7 @@ def build_report(
             "cache_hits": sorted(cid for cid, g in per_client.items() if g.get("cache_hit")),
             "generator": generator_counters,
         },
+        "sdafl": sdafl or None,
         "wall_clock_s": wall_clock_s,
         "phases_s": phases,
         "bytes": {

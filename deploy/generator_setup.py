@@ -1,4 +1,5 @@
-"""The launcher's generator model: the configured folder, or a tiny one trained on first use and cached."""
+"""The launcher's generator backend: a ddpm model folder (configured, or trained on first use and cached), or the
+run's own hold-out split (`holdout`: real held-out images, nothing to train)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,24 @@ def ensure_generator_model(cfg: RunConfig, group: ProcessGroup) -> Path:
         tail = child.log_path.read_text(errors="replace").strip().splitlines()[-3:]
         raise ConfigError(f"training the generator failed (exit {code}); see {child.log_path}:\n  " + "\n  ".join(tail))
     return folder
+
+
+def check_backend(cfg: RunConfig) -> None:
+    """Refuse a configuration whose backend cannot serve this run, naming the keys to change."""
+    if cfg.generation.backend == "holdout" and cfg.data.holdout_fraction == 0:
+        raise ConfigError(
+            "generation.backend = 'holdout' serves held-out real images, but data.holdout_fraction = 0 holds none out; "
+            "set data.holdout_fraction in (0, 1), e.g. 0.1, or use generation.backend = 'ddpm'"
+        )
+
+
+def serve_arguments(cfg: RunConfig, group: ProcessGroup) -> list[str]:
+    """The backend's flags for `fedsynth generator serve`; trains the ddpm model first when none is cached."""
+    check_backend(cfg)
+    g = cfg.generation
+    if g.backend == "holdout":  # the same split as the coordinator and clients: same dataset, fraction and seed
+        flags = ["--backend", "holdout", "--dataset", cfg.data.dataset,
+                 "--holdout-fraction", repr(cfg.data.holdout_fraction), "--seed", str(cfg.seed)]
+        return flags + (["--data-dir", cfg.data.data_dir] if cfg.data.data_dir else [])
+    model_dir = ensure_generator_model(cfg, group)
+    return ["--backend", "ddpm", "--model", str(model_dir), "--ddim-steps", str(g.ddim_steps), "--guidance", str(g.guidance)]

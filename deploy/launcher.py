@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import signal
 import sys
 import time
@@ -59,12 +60,15 @@ class Launcher:
 
     def start_generator(self) -> str | None:
         gen = self.cfg.generation
-        if gen.policy == "none" or gen.generator is not None:
+        if gen.policy == "none":
             return gen.generator
-        from deploy.generator_setup import ensure_generator_model
+        from deploy.generator_setup import check_backend, serve_arguments
 
+        check_backend(self.cfg)
+        if gen.generator is not None:
+            return gen.generator
         started = time.monotonic()
-        model_dir = ensure_generator_model(self.cfg, self.group)
+        backend_flags = serve_arguments(self.cfg, self.group)
         port_file = self.out_dir / "generator.port"
         self.generator_metrics_file = self.out_dir / "generator.metrics-port"
         for stale in (port_file, self.generator_metrics_file):
@@ -72,10 +76,9 @@ class Launcher:
         child = self.group.start(
             "generator",
             fedsynth_command(
-                "generator", "serve", "--model", str(model_dir), "--host", self.cfg.runtime.host, "--port", "0",
+                "generator", "serve", *backend_flags, "--host", self.cfg.runtime.host, "--port", "0",
                 "--port-file", str(port_file), "--metrics-port", "0", "--metrics-port-file", str(self.generator_metrics_file),
-                "--ddim-steps", str(gen.ddim_steps), "--threads", str(self.cfg.runtime.torch_threads),
-                "--guidance", str(gen.guidance), *self.tls_flags,
+                "--threads", str(self.cfg.runtime.torch_threads), *self.tls_flags,
             ),
         )
         port = wait_for_file(port_file, child, timeout_s=START_TIMEOUT_S)
@@ -137,8 +140,8 @@ class Launcher:
         return False
 
 
-    def generator_counters(self) -> dict[str, float] | None:
-        """The generator's own totals, read from its /metrics before it stops (None without a generator)."""
+    def generator_counters(self) -> dict[str, float | str] | None:
+        """The generator's backend, model id and totals, read from its /metrics before it stops (None without one)."""
         if self.generator_metrics_file is None or not self.generator_metrics_file.is_file():
             return None
         port = self.generator_metrics_file.read_text().strip()
@@ -147,7 +150,11 @@ class Launcher:
         except OSError as exc:
             log.warning("could not read the generator's metrics: %s", exc)
             return None
+        served = next((dict(re.findall(r'(\w+)="([^"]*)"', key)) for key in values
+                       if key.startswith("fedsynth_generator_info{")), {})
         return {
+            "backend": served.get("backend", self.cfg.generation.backend),
+            "model_id": served.get("model_id", ""),
             "images_total": int(total(values, "fedsynth_generator_images_total")),
             "device_seconds": total(values, "fedsynth_generator_device_seconds_total"),
             "requests_total": int(total(values, "fedsynth_generator_requests_total")),

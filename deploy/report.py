@@ -16,7 +16,7 @@ def build_report(
     wall_clock_s: float,
     processes: dict[str, int],
     generation_wall_s: float = 0.0,
-    generator_counters: dict[str, float] | None = None,
+    generator_counters: dict[str, float | str] | None = None,
 ) -> dict[str, Any]:
     """generation.device_seconds is the generator's own sampling time (its Prometheus counter), when it ran."""
     rounds = coordinator.get("rounds", [])
@@ -28,6 +28,7 @@ def build_report(
     sdafl = coordinator.get("sdafl") or {}
     # SDA-FL: the clients' DP-GANs train in parallel before round 1; the slowest one is the wall-clock cost.
     phases["generation"] += max((p.get("gan_seconds", 0.0) for p in sdafl.values()), default=0.0)
+    config = coordinator.get("config") or {}
     return {
         "run_id": coordinator.get("run_id"),
         "success": coordinator.get("success", False),
@@ -56,6 +57,8 @@ def build_report(
             "wall_seconds": float(max((g.get("wall_seconds", 0.0) for g in per_client.values()), default=0.0)),
             "cache_hits": sorted(cid for cid, g in per_client.items() if g.get("cache_hit")),
             "generator": generator_counters,
+            "backend": (generator_counters or {}).get("backend") or config.get("generation", {}).get("backend"),
+            "policy": config.get("generation", {}).get("policy"),
         },
         "sdafl": sdafl or None,
         "wall_clock_s": wall_clock_s,

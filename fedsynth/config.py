@@ -14,6 +14,7 @@ from fedsynth.errors import ConfigError
 
 POLICIES = ("none", "fedeas", "uniform", "missing", "full")
 ALGORITHMS = ("fedavg", "fedprox", "scaffold", "moon", "sdafl")
+GENERATOR_BACKENDS = ("ddpm", "holdout")  # generator_service.backends.BACKENDS; holdout: real held-out images
 
 
 def _require(ok: bool, message: str) -> None:
@@ -81,6 +82,8 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         _require(self.policy in POLICIES, f"generation.policy must be one of {POLICIES}, got {self.policy!r}")
+        _require(self.backend in GENERATOR_BACKENDS,
+                 f"generation.backend must be one of {GENERATOR_BACKENDS}, got {self.backend!r}")
         _require(self.beta > 0, f"generation.beta must be > 0, got {self.beta}")
         _require(self.budget is None or self.budget >= 0, f"generation.budget must be >= 0, got {self.budget}")
         _require(self.ddim_steps >= 1, f"generation.ddim_steps must be >= 1, got {self.ddim_steps}")

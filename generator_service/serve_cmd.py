@@ -1,4 +1,4 @@
-"""`fedsynth generator serve`: the generator process: load a model folder and serve it over gRPC."""
+"""`fedsynth generator serve`: the generator process: load a backend (a model folder, or held-out images), serve it."""
 
 from __future__ import annotations
 
@@ -9,16 +9,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from wsgiref.simple_server import WSGIServer
 
-import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from fedsynth import grpcutil, tls
+from fedsynth.data import DATASETS
 from fedsynth.errors import ConfigError
 from fedsynth.runtime import write_atomic
 from fedsynth.v1 import generator_pb2_grpc
+from generator_service.backends import BACKENDS, build_backend, get_backend
 from generator_service.batcher import Batcher
-from generator_service.ddpm.model import load_generator, read_metadata
-from generator_service.ddpm.sampling import DdimSampler, SamplingConfig, resolve_device
 from generator_service.metrics import GeneratorMetrics, serve_registry
 from generator_service.servicer import GeneratorServicer, ServedModel
 
@@ -26,9 +25,26 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "fedsynth.v1.Generator"
 
 
+# The flags only one backend takes, and those it requires; another backend's flag is refused, not ignored.
+BACKEND_FLAGS: dict[str, tuple[str, ...]] = {
+    "ddpm": ("model", "ddim_steps", "guidance"),
+    "holdout": ("dataset", "data_dir", "holdout_fraction", "seed"),
+}
+REQUIRED_FLAGS: dict[str, tuple[str, ...]] = {"ddpm": ("model",), "holdout": ("dataset", "holdout_fraction", "seed")}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 @dataclass(frozen=True)
 class ServeConfig:
-    model: Path
+    model: Path | None = None
+    backend: str = "ddpm"
+    dataset: str | None = None  # holdout: the run's data.dataset, data.data_dir, data.holdout_fraction and seed
+    data_dir: Path | None = None
+    holdout_fraction: float | None = None
+    seed: int | None = None
     host: str = "127.0.0.1"
     port: int = 0
     port_file: Path | None = None
@@ -45,11 +61,26 @@ class ServeConfig:
     grace_s: float = 5.0
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        for other, flags in BACKEND_FLAGS.items():
+            for name in flags:
+                if other != self.backend and getattr(self, name) is not None:
+                    raise ConfigError(f"{_flag(name)} is a flag of --backend {other}, not of --backend {self.backend}")
+        for name in REQUIRED_FLAGS.get(self.backend, ()):
+            if getattr(self, name) is None:
+                raise ConfigError(f"--backend {self.backend} needs {_flag(name)}")
+        if self.dataset is not None and self.dataset not in DATASETS:
+            raise ConfigError(f"--dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}")
+        if self.holdout_fraction is not None and not 0.0 < self.holdout_fraction < 1.0:
+            raise ConfigError(f"--holdout-fraction must be in (0, 1) for --backend holdout, got {self.holdout_fraction}")
+        if self.seed is not None and self.seed < 0:
+            raise ConfigError(f"--seed must be >= 0, got {self.seed}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
         for name in ("max_batch", "max_request_images", "max_concurrent_rpcs", "queue_limit"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
         if self.ddim_steps is not None and not 1 <= self.ddim_steps <= 1000:
             raise ConfigError(f"--ddim-steps must be in 1..1000, got {self.ddim_steps}")
         if self.guidance is not None and not 0.0 <= self.guidance <= 100.0:
@@ -63,12 +94,15 @@ class ServeConfig:
 
 
 class GeneratorServer:
-    """start() binds and serves health (NOT_SERVING); load() loads the model, then health says SERVING."""
+    """start() binds and serves health (NOT_SERVING); load() loads the backend, then health says SERVING."""
 
     def __init__(self, config: ServeConfig, *, registry: CollectorRegistry | None = None,
                  security: tls.ServerSecurity | None = None) -> None:
         self.config = config
         self.security = security or tls.ServerSecurity(files=None)  # in-process default: plaintext, as before
+        backend = get_backend(config.backend)
+        if backend.check is not None:
+            backend.check(config)  # fail fast (e.g. a wrong model folder), before binding anything
         self.metrics = GeneratorMetrics(registry)
         self.server = grpcutil.make_server(max_workers=config.max_concurrent_rpcs + 8,
                                            max_concurrent_rpcs=config.max_concurrent_rpcs)
@@ -79,7 +113,6 @@ class GeneratorServer:
         self.port = 0
         self.metrics_port: int | None = None
         self._metrics_http: WSGIServer | None = None
-        read_metadata(config.model)  # fail fast on a wrong folder, before binding anything
 
     def start(self) -> int:
         self.port = grpcutil.bind(self.server, f"{self.config.host}:{self.config.port}", self.security.credentials())
@@ -90,30 +123,22 @@ class GeneratorServer:
 
     def load(self) -> ServedModel:
         started = time.perf_counter()
-        if self.config.threads:
-            torch.set_num_threads(self.config.threads)
-        loaded = load_generator(self.config.model)
-        meta = loaded.metadata
-        device = resolve_device(self.config.device)
-        sampling = SamplingConfig(
-            meta.ddim_steps if self.config.ddim_steps is None else self.config.ddim_steps,
-            meta.guidance if self.config.guidance is None else self.config.guidance,
-            self.config.max_batch,
-        )
-        sampler = DdimSampler(loaded.unet, loaded.scheduler_config, num_classes=meta.num_classes,
-                              image_shape=meta.image_shape, config=sampling, device=device)
-        self.batcher = Batcher(sampler.sample, max_batch=self.config.max_batch,
+        backend = build_backend(self.config)
+        served = backend.description
+        self.batcher = Batcher(backend.sample, max_batch=self.config.max_batch,
                                max_wait_s=self.config.max_wait_ms / 1000.0, queue_limit=self.config.queue_limit,
                                metrics=self.metrics)
-        dtype = str(sampler.dtype).removeprefix("torch.")
-        model = ServedModel(meta, self.batcher, device.type, dtype, sampling.steps, sampling.guidance)
+        model = ServedModel(backend, self.batcher)
         self.servicer.attach(model)
         self.metrics.model_load_seconds.set(time.perf_counter() - started)
-        self.metrics.info.info({"backend": meta.backend, "size": meta.size, "model_id": meta.model_id,
-                                "device": device.type, "dtype": dtype})
+        self.metrics.info.info({"backend": served.backend, "size": served.size, "model_id": served.model_id,
+                                "device": served.device, "dtype": served.dtype})
         grpcutil.set_serving(self.health, SERVICE_NAME)
-        log.info("serving %s (%s, %d parameters) on %s, %s, %d DDIM steps, guidance %.2f", meta.model_id, meta.size,
-                 meta.parameters, device.type, dtype, sampling.steps, sampling.guidance)
+        log.info("serving %s (backend %s, %d classes of %s images) on %s, %s", served.model_id, served.backend,
+                 served.num_classes, "x".join(map(str, served.image_shape)), served.device, served.dtype)
+        if served.backend == "ddpm":
+            log.info("%s UNet, %d parameters, %d DDIM steps, guidance %.2f", served.size, served.parameters,
+                     served.ddim_steps, served.guidance)
         return model
 
     def stop(self, grace_s: float | None = None) -> None:
@@ -132,7 +157,14 @@ class GeneratorServer:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = ServeConfig(model=Path("."))
-    parser.add_argument("--model", type=Path, required=True, help="generator folder (from `fedsynth generator train`)")
+    parser.add_argument("--backend", choices=tuple(BACKENDS), default=d.backend,
+                        help="ddpm: a trained model (--model); holdout: real held-out training images, a perfect generator "
+                             "(--dataset, --holdout-fraction, --seed as in the run's config) (default %(default)s)")
+    parser.add_argument("--model", type=Path, default=None, help="ddpm: generator folder (from `fedsynth generator train`)")
+    parser.add_argument("--dataset", choices=DATASETS, default=None, help="holdout: the run's data.dataset")
+    parser.add_argument("--data-dir", type=Path, default=None, help="holdout: the run's data.data_dir")
+    parser.add_argument("--holdout-fraction", type=float, default=None, help="holdout: the run's data.holdout_fraction, in (0, 1)")
+    parser.add_argument("--seed", type=int, default=None, help="holdout: the run's seed (it seeds the hold-out split)")
     parser.add_argument("--host", default=d.host, help="address to listen on; 0.0.0.0 for other machines (default %(default)s)")
     parser.add_argument("--port", type=int, default=d.port, help="gRPC port, 0 picks a free one (default %(default)s)")
     parser.add_argument("--port-file", type=Path, default=None, help="write the bound gRPC port here (atomically)")
@@ -140,7 +172,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Prometheus /metrics port, 0 picks a free one, -1 disables (default %(default)s)")
     parser.add_argument("--metrics-port-file", type=Path, default=None, help="write the bound metrics port here (atomically)")
     parser.add_argument("--max-batch", type=int, default=d.max_batch,
-                        help="images per sampling batch; the UNet always runs on this many rows (default %(default)s)")
+                        help="images per sampling batch; a ddpm UNet always runs on this many rows (default %(default)s)")
     parser.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms,
                         help="longest wait for a batch to fill (default %(default)s)")
     parser.add_argument("--max-request-images", type=int, default=d.max_request_images,
@@ -149,9 +181,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="RPCs past this get RESOURCE_EXHAUSTED (default %(default)s)")
     parser.add_argument("--queue-limit", type=int, default=d.queue_limit,
                         help="most images queued for sampling; beyond it RESOURCE_EXHAUSTED (default %(default)s)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device, help="default %(default)s")
-    parser.add_argument("--ddim-steps", type=int, default=None, help="DDIM steps (default: the model folder's)")
-    parser.add_argument("--guidance", type=float, default=None, help="guidance weight w (default: the model folder's)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device, help="ddpm: default %(default)s")
+    parser.add_argument("--ddim-steps", type=int, default=None, help="ddpm: DDIM steps (default: the model folder's)")
+    parser.add_argument("--guidance", type=float, default=None, help="ddpm: guidance weight w (default: the model folder's)")
     parser.add_argument("--threads", type=int, default=d.threads,
                         help="torch CPU threads, 0 = torch's default; 1 is fastest on a crowded CPU (default %(default)s)")
     parser.add_argument("--grace", type=float, default=d.grace_s, help="seconds in-flight RPCs get on SIGTERM (default %(default)s)")
@@ -162,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     security = tls.ServerSecurity.from_args(args, "generator")
     config = ServeConfig(
-        model=args.model, host=security.bind_host(args.host), port=args.port, port_file=args.port_file, metrics_port=args.metrics_port,
+        model=args.model, backend=args.backend, dataset=args.dataset, data_dir=args.data_dir,
+        holdout_fraction=args.holdout_fraction, seed=args.seed, host=security.bind_host(args.host), port=args.port, port_file=args.port_file, metrics_port=args.metrics_port,
         max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_request_images=args.max_request_images,
         max_concurrent_rpcs=args.max_concurrent_rpcs, queue_limit=args.queue_limit, device=args.device,
         ddim_steps=args.ddim_steps, guidance=args.guidance, threads=args.threads, grace_s=args.grace,

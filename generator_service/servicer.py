@@ -11,8 +11,8 @@ import grpc
 import numpy as np
 
 from fedsynth.v1 import generator_pb2, generator_pb2_grpc
+from generator_service.backends import BackendDescription, GeneratorBackend, Unservable
 from generator_service.batcher import Batcher, BatcherClosed, QueueFull, SamplingFailed
-from generator_service.ddpm.model import GeneratorMetadata
 from generator_service.ddpm.sampling import ImageKey
 from generator_service.metrics import GeneratorMetrics
 
@@ -28,24 +28,25 @@ class RequestError(Exception):
 
 @dataclass(frozen=True)
 class ServedModel:
-    """What the servicer needs once the model is loaded."""
+    """What the servicer needs once the backend is loaded: the backend, and the batcher that samples from it."""
 
-    metadata: GeneratorMetadata
+    backend: GeneratorBackend
     batcher: Batcher
-    device: str
-    dtype: str
-    ddim_steps: int
-    guidance: float
+
+    @property
+    def description(self) -> BackendDescription:
+        return self.backend.description
 
 
-def plan_request(request: generator_pb2.GenerateRequest, *, metadata: GeneratorMetadata,
+def plan_request(request: generator_pb2.GenerateRequest, *, backend: GeneratorBackend,
                  max_request_images: int) -> list[ImageKey]:
     """The keys of the requested images in stream order (class, then index), or a RequestError naming the value."""
-    classes = metadata.num_classes
+    served = backend.description
+    classes = served.num_classes
     counts, offsets = list(request.counts), list(request.offsets)
-    if request.model_id and request.model_id != metadata.model_id:
+    if request.model_id and request.model_id != served.model_id:
         raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"model_id {request.model_id!r} requested, but this server serves {metadata.model_id!r}")
+                           f"model_id {request.model_id!r} requested, but this server serves {served.model_id!r}")
     if len(counts) > classes:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"counts has {len(counts)} entries: class id {len(counts) - 1} is out of range 0..{classes - 1}")
@@ -65,11 +66,15 @@ def plan_request(request: generator_pb2.GenerateRequest, *, metadata: GeneratorM
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"class {class_id}: offset {offsets[class_id]} + count {count} exceeds the index range 2^32")
         keys += [ImageKey(request.seed, class_id, offsets[class_id] + j) for j in range(count)]
+    try:
+        backend.check_counts(counts)
+    except Unservable as exc:
+        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
     return keys
 
 
 class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
-    """Answers UNAVAILABLE until attach() hands it a loaded model."""
+    """Answers UNAVAILABLE until attach() hands it a loaded backend."""
 
     def __init__(self, *, metrics: GeneratorMetrics, max_request_images: int) -> None:
         self._metrics = metrics
@@ -95,13 +100,13 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
 
     def Info(self, request: generator_pb2.InfoRequest, context: grpc.ServicerContext) -> generator_pb2.InfoReply:
         model = self._loaded(context, "Info")
-        meta = model.metadata
+        meta = model.description
         channels, height, width = meta.image_shape
         self._metrics.requests.labels("Info", "OK").inc()
         return generator_pb2.InfoReply(
             num_classes=meta.num_classes, channels=channels, height=height, width=width, model_id=meta.model_id,
-            size=meta.size, parameters=meta.parameters, backend=meta.backend, device=model.device,
-            dtype=model.dtype, dataset=meta.dataset, ddim_steps=model.ddim_steps, guidance=model.guidance,
+            size=meta.size, parameters=meta.parameters, backend=meta.backend, device=meta.device,
+            dtype=meta.dtype, dataset=meta.dataset, ddim_steps=meta.ddim_steps, guidance=meta.guidance,
             max_request_images=self._max_request_images, max_batch=model.batcher.max_batch,
         )
 
@@ -110,7 +115,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         started = time.monotonic()
         model = self._loaded(context, "Generate")
         try:
-            keys = plan_request(request, metadata=model.metadata, max_request_images=self._max_request_images)
+            keys = plan_request(request, backend=model.backend, max_request_images=self._max_request_images)
             job = model.batcher.submit(keys)
         except RequestError as exc:
             self._abort(context, "Generate", exc.code, str(exc))
@@ -122,7 +127,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         if not context.add_callback(lambda: model.batcher.cancel(job)):  # runs when the RPC ends, however it ends
             model.batcher.cancel(job)  # it has already ended
         labels = np.array([key.class_id for key in keys], dtype=np.uint32)
-        channels, height, width = model.metadata.image_shape
+        channels, height, width = model.description.image_shape
         per_message = max(1, MAX_MESSAGE_BYTES // (channels * height * width))
         sent, code = 0, grpc.StatusCode.CANCELLED  # unless the loop finishes: the client or its deadline ended it
         try:

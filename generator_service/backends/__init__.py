@@ -1,0 +1,80 @@
+"""Generator backends behind one interface, by name: `ddpm` (a trained diffusion model), `holdout` (real held-out images)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from fedsynth.errors import ConfigError
+
+if TYPE_CHECKING:
+    from generator_service.ddpm.sampling import ImageKey
+    from generator_service.serve_cmd import ServeConfig
+
+# name -> module defining BACKEND; imported on first use, so a holdout server never loads the UNet code it skips.
+BACKENDS: dict[str, str] = {
+    "ddpm": "generator_service.backends.ddpm",
+    "holdout": "generator_service.backends.holdout",
+}
+
+
+class Unservable(Exception):
+    """The backend cannot serve a request as asked (e.g. a class it has no image of); answered FAILED_PRECONDITION."""
+
+
+@dataclass(frozen=True)
+class BackendDescription:
+    """What Info and the metrics report about the loaded backend (fields that do not apply stay empty / 0)."""
+
+    backend: str
+    model_id: str
+    dataset: str
+    num_classes: int
+    image_shape: tuple[int, int, int]  # (channels, height, width)
+    device: str
+    dtype: str
+    size: str = ""
+    parameters: int = 0
+    ddim_steps: int = 0
+    guidance: float = 0.0
+
+
+class GeneratorBackend(Protocol):
+    """A loaded backend: every image is a pure function of its key, whatever else shares its batch."""
+
+    @property
+    def description(self) -> BackendDescription: ...
+
+    def sample(self, keys: Sequence[ImageKey]) -> np.ndarray:
+        """uint8 images N x H x W x C, one per key, for 1 <= N <= the server's max batch."""
+        ...
+
+    def check_counts(self, counts: Sequence[int]) -> None:
+        """Raise Unservable, naming the class, for per-class counts this backend cannot serve."""
+        ...
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """load() is the slow part (done while health says NOT_SERVING); check(), if any, fails fast before binding."""
+
+    name: str
+    load: Callable[[ServeConfig], GeneratorBackend]
+    check: Callable[[ServeConfig], None] | None = None
+
+
+def get_backend(name: str) -> BackendSpec:
+    if name not in BACKENDS:
+        raise ConfigError(f"unknown generator backend {name!r}; expected one of {', '.join(BACKENDS)}")
+    spec = importlib.import_module(BACKENDS[name]).BACKEND
+    assert isinstance(spec, BackendSpec) and spec.name == name
+    return spec
+
+
+def build_backend(config: ServeConfig) -> GeneratorBackend:
+    """Load the backend named by config.backend with the settings in config."""
+    return get_backend(config.backend).load(config)

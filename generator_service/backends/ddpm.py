@@ -1,0 +1,69 @@
+"""The `ddpm` backend: a trained generator folder sampled by the deterministic DDIM sampler."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from generator_service.backends import BackendDescription, BackendSpec
+from generator_service.ddpm.model import load_generator, read_metadata
+from generator_service.ddpm.sampling import DdimSampler, ImageKey, SamplingConfig, resolve_device
+
+if TYPE_CHECKING:
+    from generator_service.serve_cmd import ServeConfig
+
+
+class DdpmBackend:
+    """Serves any class the model was trained on; the UNet always runs on batch_size rows (see DdimSampler)."""
+
+    def __init__(self, sampler: DdimSampler, description: BackendDescription) -> None:
+        self.sampler = sampler
+        self._description = description
+
+    @property
+    def description(self) -> BackendDescription:
+        return self._description
+
+    def sample(self, keys: Sequence[ImageKey]) -> np.ndarray:
+        return self.sampler.sample(keys)
+
+    def check_counts(self, counts: Sequence[int]) -> None:
+        return None  # a class-conditional model can draw every class it knows
+
+
+def load_ddpm(model_dir: Path, *, device: str = "auto", batch_size: int, ddim_steps: int | None = None,
+              guidance: float | None = None, threads: int = 0) -> DdpmBackend:
+    """Load a folder from `fedsynth generator train`; ddim_steps / guidance None take the folder's defaults."""
+    if threads:
+        torch.set_num_threads(threads)
+    loaded = load_generator(model_dir)
+    meta = loaded.metadata
+    sampling = SamplingConfig(meta.ddim_steps if ddim_steps is None else ddim_steps,
+                              meta.guidance if guidance is None else guidance, batch_size)
+    target = resolve_device(device)
+    sampler = DdimSampler(loaded.unet, loaded.scheduler_config, num_classes=meta.num_classes,
+                          image_shape=meta.image_shape, config=sampling, device=target)
+    description = BackendDescription(
+        backend="ddpm", model_id=meta.model_id, dataset=meta.dataset, num_classes=meta.num_classes,
+        image_shape=meta.image_shape, device=target.type, dtype=str(sampler.dtype).removeprefix("torch."),
+        size=meta.size, parameters=meta.parameters, ddim_steps=sampling.steps, guidance=sampling.guidance,
+    )
+    return DdpmBackend(sampler, description)
+
+
+def _check(config: ServeConfig) -> None:
+    assert config.model is not None  # ServeConfig requires --model for this backend
+    read_metadata(config.model)  # a wrong folder fails here, before the server binds anything
+
+
+def _load(config: ServeConfig) -> DdpmBackend:
+    assert config.model is not None
+    return load_ddpm(config.model, device=config.device, batch_size=config.max_batch, ddim_steps=config.ddim_steps,
+                     guidance=config.guidance, threads=config.threads)
+
+
+BACKEND = BackendSpec("ddpm", load=_load, check=_check)

@@ -7,6 +7,7 @@ import logging
 import re
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,6 +50,7 @@ class Launcher:
         self.group = ProcessGroup(out_dir / "logs")
         self.generation_setup_s = 0.0
         self.generator_metrics_file: Path | None = None
+        self._following = False
         # runtime.tls_dir: every role over mutual TLS, the launcher itself as `operator`; else plaintext on this machine.
         tls_dir = cfg.runtime.tls_dir
         self.tls_flags = ["--tls-dir", tls_dir] if tls_dir else ["--insecure"]
@@ -120,8 +122,12 @@ class Launcher:
         total = self.cfg.train.rounds
         bar = tqdm(total=total, desc="rounds", unit="round", disable=self.args.no_progress, file=sys.stderr)
         limit = self.cfg.runtime.registration_timeout_s + total * (self.cfg.runtime.round_timeout_s + 60)
+        call = stub.WatchRounds(pb.WatchRequest(), timeout=limit, wait_for_ready=True)
+        self._following = True
+        watchdog = threading.Thread(target=self._watch_children, args=(call,), name="watchdog", daemon=True)
+        watchdog.start()
         try:
-            for summary in stub.WatchRounds(pb.WatchRequest(), timeout=limit, wait_for_ready=True):
+            for summary in call:
                 if summary.finished:
                     if not summary.success:
                         log.error("run failed: %s", summary.message)
@@ -135,10 +141,24 @@ class Launcher:
             log.error("lost the coordinator's progress stream: %s", exc.details() if isinstance(exc, grpc.Call) else exc)
             return False
         finally:
+            self._following = False
             bar.close()
             channel.close()
         return False
 
+    def _watch_children(self, call: grpc.Future) -> None:
+        """Stop following when the coordinator process is gone; say so when a child fails early."""
+        reported: set[int] = set()
+        while self._following:
+            for child in self.group.children:
+                code = child.process.poll()
+                if code not in (None, 0) and child.pid not in reported:
+                    reported.add(child.pid)
+                    log.error("%s (pid %d) exited with code %s; see %s", child.role, child.pid, code, child.log_path)
+            if self.coordinator.process.poll() is not None:
+                call.cancel()
+                return
+            time.sleep(0.5)
 
     def generator_counters(self) -> dict[str, float | str] | None:
         """The generator's backend, model id and totals, read from its /metrics before it stops (None without one)."""

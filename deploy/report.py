@@ -29,6 +29,8 @@ def build_report(
     # SDA-FL: the clients' DP-GANs train in parallel before round 1; the slowest one is the wall-clock cost.
     phases["generation"] += max((p.get("gan_seconds", 0.0) for p in sdafl.values()), default=0.0)
     config = coordinator.get("config") or {}
+    total_images = int(sum(g.get("images", 0) for g in per_client.values()))
+    device_seconds = float(generator_counters["device_seconds"]) if generator_counters else 0.0
     return {
         "run_id": coordinator.get("run_id"),
         "success": coordinator.get("success", False),
@@ -51,9 +53,13 @@ def build_report(
         "final_accuracy": accuracies[-1] if accuracies else None,
         "last20_mean_accuracy": sum(tail) / len(tail) if tail else None,
         "generation": {
-            "total_images": int(sum(g.get("images", 0) for g in per_client.values())),
+            "total_images": total_images,
             "per_client": {cid: int(g.get("images", 0)) for cid, g in per_client.items()},
-            "device_seconds": float(generator_counters["device_seconds"]) if generator_counters else 0.0,
+            "device_seconds": device_seconds,
+            # Sampling batches mix clients, so each client is charged its share of images of the generator's time.
+            "per_client_device_seconds": {
+                cid: device_seconds * g.get("images", 0) / total_images if total_images else 0.0 for cid, g in per_client.items()
+            },
             "wall_seconds": float(max((g.get("wall_seconds", 0.0) for g in per_client.values()), default=0.0)),
             "cache_hits": sorted(cid for cid, g in per_client.items() if g.get("cache_hit")),
             "generator": generator_counters,

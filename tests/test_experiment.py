@@ -1,0 +1,221 @@
+"""`fedsynth experiment`: statistics by hand, spec validation, exact arm configs, real arms, deadlines, resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deploy.experiment import parse_seeds, previous_run
+from deploy.experiment_spec import load_experiment, write_run_toml
+from deploy.experiment_summary import build_summary
+from deploy.stats import paired_difference, summarize, t_critical
+from fedsynth.config import from_dict, load_config
+from fedsynth.errors import ConfigError
+
+TINY_BASE = """
+[base]
+[base.data]
+clients = 3
+[base.train]
+rounds = 2
+local_epochs = 1
+[base.generation]
+policy = "none"
+[base.runtime]
+clients_per_process = 3
+"""
+
+
+def fedsynth(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fedsynth.cli", *args], capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+# ---- statistics -------------------------------------------------------------------------------------
+
+
+def test_t_interval_for_three_values_matches_the_hand_computation() -> None:
+    assert t_critical(3) == pytest.approx(4.302652729911275, rel=1e-9)  # t_{0.975, 2}
+    s = summarize([0.80, 0.82, 0.87])
+    # mean 0.83; deviations -0.03, -0.01, 0.04; sum of squares 0.0026; std = sqrt(0.0026 / 2) = 0.036056
+    assert s.n == 3 and s.mean == pytest.approx(0.83) and s.std == pytest.approx(math.sqrt(0.0013))
+    half = 4.302652729911275 * math.sqrt(0.0013) / math.sqrt(3)  # = 0.089567
+    assert (s.ci_low, s.ci_high) == (pytest.approx(0.83 - half), pytest.approx(0.83 + half))
+    assert half == pytest.approx(0.0895668, abs=1e-6)
+
+
+def test_summaries_of_one_or_no_value_have_no_interval() -> None:
+    one = summarize([0.5])
+    assert (one.n, one.mean, one.std, one.ci_low, one.ci_high) == (1, 0.5, None, None, None)
+    assert summarize([]).mean is None
+    with pytest.raises(ConfigError, match="nan"):
+        summarize([0.5, float("nan")])
+
+
+def test_paired_difference_pairs_by_seed() -> None:
+    fedeas = {0: 0.85, 1: 0.80, 2: 0.90, 7: 0.5}
+    uniform = {0: 0.83, 1: 0.79, 2: 0.86}
+    diff = paired_difference(fedeas, uniform)
+    assert diff.seeds == [0, 1, 2]
+    assert diff.differences == pytest.approx([0.02, 0.01, 0.04])
+    # mean 0.07/3; deviations -1/300, -4/300, 5/300: std = sqrt((1 + 16 + 25) / 90000 / 2) = 0.0152753
+    assert diff.summary.mean == pytest.approx(0.07 / 3)
+    assert diff.summary.std == pytest.approx(math.sqrt(42 / 180000))
+    assert diff.summary.ci_low == pytest.approx(0.07 / 3 - 4.302652729911275 * math.sqrt(42 / 180000) / math.sqrt(3))
+
+
+# ---- the experiment file ----------------------------------------------------------------------------
+
+
+def test_arm_configs_are_written_exactly(tmp_path: Path) -> None:
+    cfg = from_dict({"name": 'quote "and" backslash \\', "seed": 3, "train": {"algorithm": "fedprox", "algorithm_params": {"mu": 1e-05}, "lr": 0.1},
+                     "generation": {"policy": "fedeas", "beta": 7.5}, "data": {"alpha": 0.05}})
+    write_run_toml(cfg, tmp_path / "config.toml")
+    assert load_config(tmp_path / "config.toml").to_dict() == cfg.to_dict()
+
+
+def test_every_arm_must_share_the_partition(tmp_path: Path) -> None:
+    spec = write(tmp_path / "e.toml", TINY_BASE + '[[arms]]\nname = "a"\n[[arms]]\nname = "b"\nset = ["data.alpha=0.5"]\n')
+    with pytest.raises(ConfigError, match=r"arm 'b' sets data.alpha = 0.5 but arm 'a' has 0.1"):
+        load_experiment(spec)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ('[[arms]]\nname = "a"\nsets = []\n', "arm 'a': unknown key(s) sets"),
+        ('[[arms]]\nname = "a b"\n', "got 'a b'"),
+        ('[[arms]]\nname = "a"\n[[arms]]\nname = "a"\n', "arm names must be unique"),
+        ('[[arms]]\nname = "a"\nrole = "best"\n', "role must be one of"),
+        ('[[arms]]\nname = "fedeas"\n', "arm 'fedeas' has role 'fedeas' but runs generation.policy = 'none'"),
+        ('[[arms]]\nname = "a"\nset = ["train.algorithm=sgd"]\n', "arm 'a': train.algorithm must be one of"),
+        ('[experiment]\nthreshold = "high"\n[[arms]]\nname = "a"\n', "experiment.threshold must be int or float, got 'high'"),
+        ("[sweep]\nbetas = [0]\n", "sweep.betas must be a non-empty list of numbers > 0"),
+        ("", "nothing to run"),
+    ],
+)
+def test_bad_experiment_files_are_named(tmp_path: Path, body: str, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_experiment(write(tmp_path / "e.toml", TINY_BASE + body))
+    assert message in str(err.value)
+
+
+def test_command_line_overrides_reach_base_or_experiment(tmp_path: Path) -> None:
+    spec = write(tmp_path / "e.toml", TINY_BASE + '[[arms]]\nname = "a"\nset = ["train.rounds=3"]\n')
+    experiment = load_experiment(spec, ["train.rounds=5", "train.lr=0.2", "seed=4", "experiment.threshold=0.9"])
+    cfg = experiment.arm_config(experiment.arms[0], 7, tmp_path)
+    assert (cfg.train.rounds, cfg.train.lr, cfg.seed, experiment.base_seed) == (3, 0.2, 7, 4)  # the arm's set wins over --set
+    assert experiment.settings.threshold == 0.9
+    with pytest.raises(ConfigError, match=r"\[base\]: top level.seed must be int, got 'x'"):
+        load_experiment(spec, ["seed=x"])
+
+
+def test_a_sweep_point_equal_to_an_arm_is_not_run_twice(tmp_path: Path) -> None:
+    spec = write(tmp_path / "e.toml", TINY_BASE + '[[arms]]\nname = "fedeas"\nset = ["generation.policy=fedeas"]\n[sweep]\nbetas = [4, 12]\n')
+    arms = load_experiment(spec).arms
+    assert [(a.name, a.role, a.beta) for a in arms] == [("fedeas", "fedeas", 12.0), ("beta-4", None, 4.0)]
+
+
+def test_seeds_are_parsed_or_named() -> None:
+    assert parse_seeds("0, 1,2", 9) == [0, 1, 2] and parse_seeds(None, 9) == [9]
+    with pytest.raises(ConfigError, match="'0,x'"):
+        parse_seeds("0,x", 0)
+    with pytest.raises(ConfigError, match="distinct"):
+        parse_seeds("1,1", 0)
+
+
+def test_a_folder_of_another_config_is_named_not_rerun(tmp_path: Path) -> None:
+    cfg = from_dict({"train": {"rounds": 4}})
+    assert previous_run(tmp_path, cfg) == ("todo", None)
+    old = from_dict({"train": {"rounds": 2}, "generation": {"guidance": 3.0}}).to_dict()
+    (tmp_path / "report.json").write_text(json.dumps({"success": True, "config": old}))
+    assert previous_run(tmp_path, cfg) == ("todo", None)  # no checkpoint: nothing would refuse a fresh run
+    (tmp_path / "checkpoint.safetensors").write_bytes(b"")
+    state, why = previous_run(tmp_path, cfg)
+    assert state == "stale" and f"generation.guidance: 3.0 -> {cfg.generation.guidance!r}; train.rounds: 2 -> 4" in str(why)
+    (tmp_path / "report.json").write_text(json.dumps({"success": True, "config": {**old, "generation": cfg.to_dict()["generation"]}}))
+    assert previous_run(tmp_path, cfg) == ("todo", None)  # only more rounds: the checkpoint resumes and extends the run
+    (tmp_path / "report.json").write_text(json.dumps({"success": True, "config": {**cfg.to_dict(), "runtime": {}, "out_dir": "x"}}))
+    assert previous_run(tmp_path, cfg) == ("done", None)
+
+
+# ---- real runs --------------------------------------------------------------------------------------
+
+
+def processes_mentioning(text: str) -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # exited meanwhile
+        if text in args:
+            found.append(args)
+    return found
+
+
+@pytest.mark.slow
+def test_an_arm_past_its_deadline_is_recorded_as_failed_and_leaves_no_process(tmp_path: Path) -> None:
+    spec = write(tmp_path / "e.toml", TINY_BASE + '[[arms]]\nname = "fedavg"\ntimeout_s = 6\n[[arms]]\nname = "quick"\ntimeout_s = 0.5\n')
+    result = fedsynth("experiment", "--config", str(spec), "--out-dir", str(tmp_path / "exp"), timeout=120)
+    assert result.returncode == 1, result.stderr
+    summary = json.loads((tmp_path / "exp" / "summary.json").read_text())
+    assert [(r["arm"], r["status"], r["error"].split(" (see")[0]) for r in summary["runs"]] == [
+        ("fedavg", "failed", "timed out after 6 s"), ("quick", "failed", "timed out after 0.5 s")
+    ]
+    assert [a["runs_ok"] for a in summary["arms"]] == [0, 0]
+    assert "- fedavg seed 0: timed out after 6 s" in (tmp_path / "exp" / "summary.md").read_text()
+    # the launcher's session was stopped whole: no coordinator or client of the arm is left
+    assert processes_mentioning(str(tmp_path / "exp")) == []
+
+
+@pytest.mark.slow
+def test_two_arms_two_seeds_summarise_and_resume_without_rerunning(tmp_path: Path) -> None:
+    fedprox = '[[arms]]\nname = "fedprox"\nset = ["train.algorithm=fedprox", "train.algorithm_params.mu=0.01"]\n'
+    settings = '[experiment]\nname = "tiny"\nthreshold = 0.3\narm_timeout_s = 300\n'
+    spec = write(tmp_path / "e.toml", settings + TINY_BASE + '[[arms]]\nname = "fedavg"\n' + fedprox)
+    exp = tmp_path / "exp"
+    first = fedsynth("experiment", "--config", str(spec), "--seeds", "0,1", "--out-dir", str(exp))
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary = json.loads((exp / "summary.json").read_text())
+    reports = {(r["arm"], r["seed"]): json.loads((exp / r["run_dir"] / "report.json").read_text()) for r in summary["runs"]}
+    assert sorted(reports) == [("fedavg", 0), ("fedavg", 1), ("fedprox", 0), ("fedprox", 1)]
+    assert reports[("fedprox", 1)]["config"]["train"]["algorithm"] == "fedprox" and reports[("fedprox", 1)]["config"]["seed"] == 1
+    # the same partition and seed for both arms: identical initial models, so identical initial accuracy
+    assert reports[("fedavg", 1)]["initial_accuracy"] == reports[("fedprox", 1)]["initial_accuracy"]
+    accuracy = {key: r["last20_mean_accuracy"] for key, r in reports.items()}
+    fedavg = summary["arms"][0]
+    assert fedavg["accuracy"]["n"] == 2
+    assert fedavg["accuracy"]["mean"] == pytest.approx((accuracy[("fedavg", 0)] + accuracy[("fedavg", 1)]) / 2)
+    assert summary["arms"][1]["delta_accuracy_pp"] == pytest.approx(100 * (summary["arms"][1]["accuracy"]["mean"] - fedavg["accuracy"]["mean"]))
+    assert summary["paired"] == []  # no FedEAS arm
+    table = (exp / "summary.md").read_text()
+    assert f"| fedavg | fedavg | {100 * fedavg['accuracy']['mean']:.2f} ± {100 * fedavg['accuracy']['std']:.2f} |" in table
+    for name in ("accuracy_bars.png", "accuracy_curves.png"):
+        assert (exp / "plots" / name).stat().st_size > 10_000
+    stamps = {p: p.stat().st_mtime_ns for pattern in ("*/report.json", "*/logs/launcher.log") for p in exp.glob(pattern)}
+    assert len(stamps) == 8
+
+    second = fedsynth("experiment", "--config", str(spec), "--seeds", "0,1", "--out-dir", str(exp), timeout=120)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stderr.count("reused") == 4 and "running" not in second.stderr
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    assert json.loads((exp / "summary.json").read_text())["arms"][0]["accuracy"] == fedavg["accuracy"]
+
+    # Pairing over the same real run folders: read fedprox as if it were the FedEAS arm (no generator needed).
+    experiment = load_experiment(spec)
+    as_fedeas = (experiment.arms[0], dataclasses.replace(experiment.arms[1], role="fedeas"))
+    outcomes = {(arm.name, seed): {"status": "ok", "error": None} for arm in as_fedeas for seed in (0, 1)}
+    [paired] = build_summary(dataclasses.replace(experiment, arms=as_fedeas), [0, 1], exp, outcomes)["paired"]
+    assert (paired["a"], paired["b"], paired["seeds"]) == ("fedprox", "fedavg", [0, 1])
+    assert paired["differences"] == pytest.approx([accuracy[("fedprox", s)] - accuracy[("fedavg", s)] for s in (0, 1)])

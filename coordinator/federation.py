@@ -118,6 +118,8 @@ class Federation:
         self.completed = ckpt.completed_rounds
         self.history = ckpt.record["history"]
         self.initial = ckpt.record["initial"]
+        if ckpt.record.get("quota") is not None:
+            self.quota = np.asarray(ckpt.record["quota"], dtype=np.int64)
         if self.sdafl is not None:
             self.sdafl.restore(ckpt.synthetic, ckpt.record.get("sdafl", {}))
         log.info("resumed from checkpoint after round %d", self.completed)
@@ -128,6 +130,7 @@ class Federation:
             "rng": self.rng.bit_generator.state,
             "history": self.history,
             "initial": self.initial,
+            "quota": None if self.quota is None else self.quota.tolist(),
         }
         synthetic: dict[str, torch.Tensor] = {}
         if self.sdafl is not None:
@@ -309,21 +312,29 @@ class Federation:
             raise
 
     def _await_registrations(self) -> None:
+        """A fresh run waits for all K clients (up to registration_timeout_s). A resumed run goes on once a quorum
+        is back and no client has registered for rejoin_grace_s: a client that died with the old coordinator
+        must not hold the run for the whole registration timeout."""
         k = self.cfg.data.clients
         need = quorum_size(k, self.cfg.runtime.quorum)
         stop_at = time.monotonic() + self.cfg.runtime.registration_timeout_s
+        resuming = self.completed > 0
         with self._lock:
+            seen, last_change = 0, time.monotonic()
             while len(self._clients) < k:
-                remaining = stop_at - time.monotonic()
-                if remaining <= 0:
+                now = time.monotonic()
+                if len(self._clients) != seen:
+                    seen, last_change = len(self._clients), now
+                if now >= stop_at or (resuming and seen >= need and now - last_change >= self.cfg.runtime.rejoin_grace_s):
                     break
-                self._lock.wait(timeout=min(remaining, 1.0))
+                self._lock.wait(timeout=min(stop_at - now, 0.5))
             if len(self._clients) < need:
                 raise QuorumError(
                     f"only {len(self._clients)} of {k} clients registered within "
                     f"{self.cfg.runtime.registration_timeout_s:.0f}s (quorum {need})"
                 )
-            self.quota = self._matched_quota()
+            if self.quota is None:  # a resumed run keeps the budget it started with
+                self.quota = self._matched_quota()
 
     def _matched_quota(self) -> np.ndarray | None:
         """Uniform / Missing-only quotas matched to B = the FedEAS total the clients report (or generation.budget)."""

@@ -1,0 +1,114 @@
+"""Time to notice a dead client (kill -9, and SIGSTOP via keepalive) and from a coordinator restart to the next round.
+
+python benchmarks/fault_timings.py            # prints a markdown table; each figure is one measurement
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+from coordinator import checkpoint
+from deploy.processes import ProcessGroup, fedsynth_command, wait_for_file
+
+SETTINGS = [
+    "data.clients=4", "train.rounds=400", "train.local_epochs=1", "generation.policy=none", "runtime.quorum=0.5",
+    "runtime.round_timeout_s=120", "runtime.rejoin_grace_s=3", "runtime.heartbeat_s=2",
+]
+STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*client (\d+) disconnected")
+ROUND_STARTED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*round \d+: sampled")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rounds(out: Path) -> int:
+    ckpt = checkpoint.load(out)
+    return 0 if ckpt is None else ckpt.completed_rounds
+
+
+def _wait(predicate, timeout_s: float, what: str):
+    stop_at = time.monotonic() + timeout_s
+    while time.monotonic() < stop_at:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise TimeoutError(what)
+
+
+def _stamp(text: str) -> float:
+    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def _round_started(log: Path) -> float | None:
+    for line in log.read_text().splitlines():
+        match = ROUND_STARTED.match(line)
+        if match:
+            return _stamp(match.group(1))
+    return None
+
+
+def _disconnect_time(log: Path, client_id: int) -> float | None:
+    for line in log.read_text().splitlines():
+        match = STAMP.match(line)
+        if match and int(match.group(2)) == client_id:
+            return _stamp(match.group(1))
+    return None
+
+
+def main() -> None:
+    root = Path(tempfile.mkdtemp(prefix="fault-timings-"))
+    group = ProcessGroup(root / "logs")
+    out, port = root / "run", _free_port()
+    sets = [item for s in SETTINGS for item in ("--set", s)]
+
+    def coordinator(name: str):
+        port_file = root / f"{name}.port"
+        child = group.start(name, fedsynth_command("coordinator", *sets, "--out-dir", str(out), "--port", str(port),
+                                                   "--port-file", str(port_file), "--insecure"))
+        wait_for_file(port_file, child, timeout_s=120)
+        return child
+
+    try:
+        coord = coordinator("coordinator")
+        clients = [group.start(f"client-{k}", fedsynth_command("client", "--coordinator", f"127.0.0.1:{port}", "--clients", str(k),
+                                                               "--cache-dir", str(root / "cache"), "--insecure")) for k in range(4)]
+        _wait(lambda: _rounds(out) >= 2, 180, "round 2")
+        killed_at = time.time()
+        clients[3].process.send_signal(signal.SIGKILL)
+        detected = _wait(lambda: _disconnect_time(coord.log_path, 3), 60, "kill -9 detection")
+        frozen_at = time.time()
+        clients[2].process.send_signal(signal.SIGSTOP)
+        frozen_detected = _wait(lambda: _disconnect_time(coord.log_path, 2), 120, "SIGSTOP detection")
+        clients[2].process.send_signal(signal.SIGCONT)
+
+        before = _rounds(out)
+        coord.process.send_signal(signal.SIGKILL)
+        coord.process.wait(10)
+        restarted_at = time.time()
+        restarted = coordinator("coordinator-restarted")
+        listening = time.time() - restarted_at
+        round_started = _wait(lambda: _round_started(restarted.log_path), 300, "a round after the restart") - restarted_at
+        _wait(lambda: _rounds(out) > before, 300, "a round completed after the restart")
+        next_round = time.time() - restarted_at
+    finally:
+        group.stop_all(grace_s=5)
+    print("| event | seconds |\n|---|---|")
+    print(f"| kill -9 of a client -> coordinator logs it disconnected | {detected - killed_at:.3f} |")
+    print(f"| SIGSTOP of a client (no FIN) -> disconnected by keepalive | {frozen_detected - frozen_at:.1f} |")
+    print(f"| coordinator restart -> listening (process start, imports, checkpoint load) | {listening:.1f} |")
+    print(f"| coordinator restart -> next round dispatched (clients reconnect and re-register by themselves) | {round_started:.1f} |")
+    print(f"| coordinator restart -> that round completed (one client stays dead: closes after rejoin_grace_s = 3) | {next_round:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -46,17 +46,20 @@ def quorum_size(sampled: int, quorum: float) -> int:
 
 
 def round_phases(rnd: RoundInProgress, closed_at: float, evaluation_s: float) -> dict[str, float]:
-    """Wall-clock split of one round. Communication is waiting time not explained by the slowest client's work."""
+    """Wall-clock split of one round. Communication is the waiting not explained by the slowest client's own work
+    (generation + training of the same client: different clients can be slowest at each)."""
     waited = closed_at - rnd.started
-    slowest_train = max((a["train_seconds"] for a in rnd.answered.values()), default=0.0)
-    slowest_generation = max((a["generation_seconds"] for a in rnd.answered.values()), default=0.0)
+    answers = rnd.answered.values()
+    slowest_train = max((a["train_seconds"] for a in answers), default=0.0)
+    slowest_generation = max((a["generation_seconds"] for a in answers), default=0.0)
+    slowest_work = max((a["train_seconds"] + a["generation_seconds"] for a in answers), default=0.0)
     dispatch = max(rnd.delivered.values(), default=0.0)
     return {
         "dispatch": dispatch,
         "waiting": waited,
         "generation": slowest_generation,
         "training": slowest_train,
-        "communication": max(0.0, waited - slowest_train - slowest_generation),
+        "communication": max(0.0, waited - slowest_work),
         "aggregation": rnd.aggregation_s,
         "evaluation": evaluation_s,
     }

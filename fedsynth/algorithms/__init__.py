@@ -1,4 +1,4 @@
-"""Federated algorithms behind a registry: `get_algorithm("fedavg" | "fedprox" | "scaffold" | "moon", **params)`."""
+"""Federated algorithms behind a registry: `get_algorithm("fedavg" | "fedprox" | "scaffold" | "moon" | "sdafl", **params)`."""
 
 from __future__ import annotations
 

@@ -63,6 +63,19 @@ class Algorithm(Protocol):
         ...
 
 
+class WeightedMeanServer:
+    """The server side of algorithms that aggregate by the plain N_k-weighted mean and keep no server state."""
+
+    def new_aggregator(self, global_state: StateDict, server_state: StateDict) -> Aggregator:
+        return Aggregator(global_state, server_state)
+
+    def initial_server_state(self, global_state: StateDict) -> StateDict:
+        return {}
+
+    def server_extra(self, server_state: StateDict) -> StateDict:
+        return {}
+
+
 def snapshot_state(model: nn.Module) -> StateDict:
     """Detached CPU copies of the full state_dict, safe to keep after the model trains on."""
     return {key: value.detach().to("cpu", copy=True) for key, value in model.state_dict().items()}

@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedsynth.algorithms.base import Aggregator, ClientUpdate, StateDict, snapshot_state
+from fedsynth.algorithms.base import ClientUpdate, StateDict, WeightedMeanServer, snapshot_state
 from fedsynth.training import LocalTrainConfig, TrainData, run_local_sgd
 
 
 @dataclass(frozen=True)
-class FedAvg:
+class FedAvg(WeightedMeanServer):
     """McMahan et al. 2017. No parameters, no server state, nothing sent besides the model."""
 
     name = "fedavg"
@@ -33,12 +33,3 @@ class FedAvg:
 
         steps, train_loss = run_local_sgd(model, data, cfg, generator, loss_fn=loss_fn)
         return ClientUpdate(state=snapshot_state(model), num_steps=steps, train_loss=train_loss)
-
-    def new_aggregator(self, global_state: StateDict, server_state: StateDict) -> Aggregator:
-        return Aggregator(global_state, server_state)
-
-    def initial_server_state(self, global_state: StateDict) -> StateDict:
-        return {}
-
-    def server_extra(self, server_state: StateDict) -> StateDict:
-        return {}

@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedsynth.algorithms.base import Aggregator, ClientUpdate, StateDict, snapshot_state
+from fedsynth.algorithms.base import ClientUpdate, StateDict, WeightedMeanServer, snapshot_state
 from fedsynth.errors import ConfigError
 from fedsynth.training import LocalTrainConfig, TrainData, run_local_sgd
 
 
 @dataclass(frozen=True)
-class FedProx:
+class FedProx(WeightedMeanServer):
     """Li et al. 2020. `mu` >= 0 weighs the proximal term over the trainable parameters (not buffers).
 
     The reported train_loss includes the proximal term. With mu = 0 the updates equal FedAvg's exactly.
@@ -47,12 +47,3 @@ class FedProx:
 
         steps, train_loss = run_local_sgd(model, data, cfg, generator, loss_fn=loss_fn)
         return ClientUpdate(state=snapshot_state(model), num_steps=steps, train_loss=train_loss)
-
-    def new_aggregator(self, global_state: StateDict, server_state: StateDict) -> Aggregator:
-        return Aggregator(global_state, server_state)
-
-    def initial_server_state(self, global_state: StateDict) -> StateDict:
-        return {}
-
-    def server_extra(self, server_state: StateDict) -> StateDict:
-        return {}

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedsynth.algorithms.base import Aggregator, ClientUpdate, StateDict, snapshot_state
+from fedsynth.algorithms.base import ClientUpdate, StateDict, WeightedMeanServer, snapshot_state
 from fedsynth.errors import ConfigError
 from fedsynth.training import LocalTrainConfig, TrainData, run_local_sgd
 
@@ -32,7 +32,7 @@ def _frozen_copy(model: nn.Module, state: StateDict | None = None) -> nn.Module:
 
 
 @dataclass(frozen=True)
-class Moon:
+class Moon(WeightedMeanServer):
     """loss = CE(head(z), y) + mu * contrastive(z, z_global, z_previous) with z = model.features(x).
 
     The global model (the weights the round started from) and the client's previous local model
@@ -77,12 +77,3 @@ class Moon:
         steps, train_loss = run_local_sgd(model, data, cfg, generator, loss_fn=loss_fn)
         state = snapshot_state(model)
         return ClientUpdate(state=state, client_state=state, num_steps=steps, train_loss=train_loss)
-
-    def new_aggregator(self, global_state: StateDict, server_state: StateDict) -> Aggregator:
-        return Aggregator(global_state, server_state)
-
-    def initial_server_state(self, global_state: StateDict) -> StateDict:
-        return {}
-
-    def server_extra(self, server_state: StateDict) -> StateDict:
-        return {}

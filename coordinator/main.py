@@ -17,6 +17,7 @@ from fedsynth import grpcutil, tls
 from fedsynth.config import load_config
 from fedsynth.errors import QuorumError
 from fedsynth.metrics import serve_metrics
+from fedsynth.strict_decoding import add_strictly
 from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_OK, setup_logging, write_atomic, write_json
 from fedsynth.v1 import coordinator_pb2_grpc
 
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
     server = grpcutil.make_server(max_workers=max(16, 2 * cfg.data.clients + 8))
     servicer = security.guard(CoordinatorServicer(federation, cfg.runtime.heartbeat_s), CLAIMED_CLIENT_ID)
-    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
+    add_strictly(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, servicer, server)
     health = grpcutil.add_health(server, SERVICE_NAME)
     bound = grpcutil.bind(server, f"{host}:{port}", credentials)
     server.start()

@@ -15,6 +15,7 @@ from fedsynth import grpcutil, tls
 from fedsynth.data import DATASETS
 from fedsynth.errors import ConfigError
 from fedsynth.runtime import write_atomic
+from fedsynth.strict_decoding import add_strictly
 from fedsynth.v1 import generator_pb2_grpc
 from generator_service.backends import BACKENDS, build_backend, get_backend
 from generator_service.batcher import Batcher
@@ -108,7 +109,7 @@ class GeneratorServer:
                                            max_concurrent_rpcs=config.max_concurrent_rpcs)
         self.health = grpcutil.add_health(self.server, SERVICE_NAME)
         self.servicer = GeneratorServicer(metrics=self.metrics, max_request_images=config.max_request_images)
-        generator_pb2_grpc.add_GeneratorServicer_to_server(self.security.guard(self.servicer), self.server)
+        add_strictly(generator_pb2_grpc.add_GeneratorServicer_to_server, self.security.guard(self.servicer), self.server)
         self.batcher: Batcher | None = None
         self.port = 0
         self.metrics_port: int | None = None

@@ -1,0 +1,82 @@
+"""Malformed request bytes get INVALID_ARGUMENT naming the message type, not grpcio's bare INTERNAL.
+
+grpcio answers a request that its deserializer cannot parse with INTERNAL ("Exception deserializing
+request!") before any servicer code runs. `add_strictly` registers a generated servicer with
+deserializers that never raise: a malformed message reaches a thin wrapper, which aborts the call
+with INVALID_ARGUMENT and a message naming the type and the parse error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+
+@dataclass(frozen=True)
+class _Malformed:
+    type_name: str
+    error: str
+
+
+def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    owner = getattr(deserializer, "__self__", None)  # generated code passes the bound Message.FromString
+    type_name = getattr(owner, "__name__", "request")
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except (DecodeError, ValueError, TypeError) as exc:
+            return _Malformed(type_name, str(exc) or type(exc).__name__)
+
+    return parse
+
+
+def _reject(context: grpc.ServicerContext, bad: _Malformed) -> None:
+    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {bad.type_name}: {bad.error}")
+
+
+def _checked_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+    for request in requests:
+        if isinstance(request, _Malformed):
+            _reject(context, request)
+        yield request
+
+
+def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    if handler.request_deserializer is None:
+        return handler
+    kind = ("stream" if handler.request_streaming else "unary") + "_" + ("stream" if handler.response_streaming else "unary")
+    behavior = getattr(handler, kind)
+    if handler.request_streaming:
+        def wrapped(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            return behavior(_checked_stream(requests, context), context)
+    else:
+        def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                _reject(context, request)
+            return behavior(request, context)
+    return handler._replace(request_deserializer=_tolerant(handler.request_deserializer), **{kind: wrapped})
+
+
+class _Registrar:
+    """Stands in for the server while generated code registers its handlers, and rewrites them on the way."""
+
+    def __init__(self, server: grpc.Server) -> None:
+        self.server = server
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass  # the registered method handlers below carry every method
+
+    def add_registered_method_handlers(self, service_name: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        strict = {name: _wrap(handler) for name, handler in handlers.items()}
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, strict),))
+        self.server.add_registered_method_handlers(service_name, strict)
+
+
+def add_strictly(add_servicer: Callable[[Any, Any], None], servicer: Any, server: grpc.Server) -> None:
+    """`add_strictly(pb_grpc.add_FooServicer_to_server, servicer, server)` instead of calling the generated adder."""
+    add_servicer(servicer, _Registrar(server))

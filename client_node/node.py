@@ -241,6 +241,7 @@ class LogicalClient:
             for seq, data in codec.split(payload):
                 yield pb.UpdateChunk(chunk=pb.Chunk(seq=seq, data=data))
 
+        log.info("client %d: uploading round %d (%d bytes)", self.client_id, task.round, meta.total_bytes)
         grpcutil.call_with_retry(
             lambda: stub.SubmitUpdate(messages(), timeout=max(RPC_TIMEOUT_S, task.deadline_s)),
             deadline_s=max(RPC_TIMEOUT_S, task.deadline_s),

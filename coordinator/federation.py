@@ -251,6 +251,7 @@ class Federation:
             if client_id not in rnd.pending:
                 raise StateError(f"client {client_id} was not sampled in round {rnd.number} or already answered")
         meta = codec.PayloadMeta(header["total_bytes"], header["sha256"], header["num_chunks"])
+        log.info("round %d: receiving client %d's update (%d bytes)", rnd.number, client_id, meta.total_bytes)
         data = codec.assemble(meta, chunks, max_bytes=2 * len(rnd.payload) + (1 << 20))
         groups = codec.split_prefixed(codec.decode(data))
         unknown = sorted(set(groups) - {"model", "extra"})

@@ -118,6 +118,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except ValueError as exc:  # e.g. the aggregator's layout checks
             self.federation.metrics.rejected_updates.labels(code="INVALID_ARGUMENT").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except grpc.RpcError:  # the sender vanished mid-stream (grpcio raises from the request iterator)
+            self.federation.metrics.rejected_updates.labels(code="CANCELLED").inc()
+            log.warning("an update stream broke off before its last chunk; nothing of it was aggregated")
+            raise
         return pb.SubmitReply(accepted=True)
 
     @staticmethod

@@ -29,7 +29,7 @@ BASE_SETTINGS: dict[str, Any] = {
     "train.model": "cnn",
     "train.algorithm": "fedavg",
     "generation.policy": "none",
-    "runtime.registration_timeout_s": 60.0,
+    "runtime.registration_timeout_s": 180.0,  # a deadline for slow process start-up on a busy machine, not a speed check
     "runtime.round_timeout_s": 60.0,
     "runtime.rejoin_grace_s": 5.0,
     "runtime.heartbeat_s": 1.0,

@@ -10,7 +10,7 @@ import numpy as np
 
 from fedsynth.errors import ConfigError, DataError
 
-MAX_REDRAWS = 10_000
+MAX_REDRAWS = 1_000  # each draw is cheap, but an infeasible setting must fail in seconds, not spin
 
 
 def _check(num_clients: int, labels: np.ndarray, min_size: int) -> None:

@@ -1,0 +1,99 @@
+"""The coordinator's resident memory over many rounds: does it grow? 10 clients, digits, the small CNN, training off.
+
+Starts a real coordinator and client-node processes with `train.max_steps=0`, watches the pushed round summaries
+(WatchRounds), and right after each one reads the coordinator process's VmRSS from /proc/PID/status. Reports
+the RSS at the first and last round and the growth per round as the slope of a least-squares line, over all
+rounds and over the second half (warm-up excluded). Prints a markdown table.
+
+    python benchmarks/coordinator_memory.py --clients 10 --rounds 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from deploy.processes import ProcessGroup, fedsynth_command, wait_for_file
+from fedsynth import grpcutil
+from fedsynth.v1 import coordinator_pb2 as pb
+from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
+
+MIB = 1 << 20
+
+
+def rss_bytes(pid: int) -> int:
+    """VmRSS of a live process, in bytes (the kernel reports kB)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS line in /proc/{pid}/status")
+
+
+def sample_rss(folder: Path, args: argparse.Namespace) -> list[int]:
+    settings = {
+        "data.clients": args.clients, "train.rounds": args.rounds, "train.model": "cnn", "train.max_steps": 0,
+        "generation.policy": "none", "runtime.heartbeat_s": 2.0,
+    }
+    sets = [item for key, value in settings.items() for item in ("--set", f"{key}={json.dumps(value)}")]
+    group = ProcessGroup(folder / "logs")
+    samples = []
+    try:
+        port_file = folder / "coordinator.port"
+        coordinator = group.start("coordinator", fedsynth_command("coordinator", *sets, "--out-dir", str(folder / "run"), "--port", "0", "--port-file", str(port_file), "--insecure"))
+        address = f"127.0.0.1:{wait_for_file(port_file, coordinator, timeout_s=180)}"
+        for lo in range(0, args.clients, args.clients_per_process):
+            ids = f"{lo}-{min(lo + args.clients_per_process, args.clients) - 1}"
+            group.start(f"client-{ids}", fedsynth_command("client", "--coordinator", address, "--clients", ids, "--torch-threads", "1", "--cache-dir", str(folder / "cache"), "--insecure"))
+        with grpcutil.make_channel(address) as channel:
+            for summary in pb_grpc.CoordinatorStub(channel).WatchRounds(pb.WatchRequest(), timeout=3600, wait_for_ready=True):
+                if summary.finished:
+                    if not summary.success:
+                        raise RuntimeError(f"run failed: {summary.message}")
+                    break
+                samples.append(rss_bytes(coordinator.pid))
+        coordinator.process.wait(timeout=60)
+    finally:
+        group.stop_all(grace_s=10.0)
+    if len(samples) != args.rounds:
+        raise RuntimeError(f"sampled {len(samples)} rounds, expected {args.rounds}")
+    return samples
+
+
+def slope(samples: list[int], first: int) -> float:
+    """Least-squares bytes per round over samples[first:]."""
+    rounds = np.arange(first + 1, len(samples) + 1, dtype=np.float64)
+    return float(np.polyfit(rounds, np.asarray(samples[first:], dtype=np.float64), 1)[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--clients", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--clients-per-process", type=int, default=5, help="logical clients per client-node process")
+    args = parser.parse_args()
+    if args.rounds < 4:
+        parser.error(f"--rounds must be >= 4 for a fit over the second half, got {args.rounds}")
+    with tempfile.TemporaryDirectory(prefix="fedsynth-memory-") as tmp:
+        samples = sample_rss(Path(tmp), args)
+
+    print(f"coordinator VmRSS after each round: {args.clients} clients, digits, cnn, train.max_steps=0, {args.rounds} rounds; "
+          f"{platform.node()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n")
+    print("| after round | RSS MiB |")
+    print("|---:|---:|")
+    marks = sorted({1, 2, 5, 10, args.rounds // 4, args.rounds // 2, 3 * args.rounds // 4, args.rounds} - {0})
+    for r in marks:
+        print(f"| {r} | {samples[r - 1] / MIB:.1f} |")
+    half = args.rounds // 2
+    print(f"\nstart {samples[0] / MIB:.1f} MiB, end {samples[-1] / MIB:.1f} MiB, max {max(samples) / MIB:.1f} MiB; growth per round "
+          f"(linear fit) {slope(samples, 0) / 1024:+.1f} KiB over rounds 1..{args.rounds}, "
+          f"{slope(samples, half) / 1024:+.1f} KiB over rounds {half + 1}..{args.rounds}")
+
+
+if __name__ == "__main__":
+    main()

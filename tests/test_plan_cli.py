@@ -181,8 +181,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], named: str) 
 
 @pytest.mark.shared_data
 def test_cifar10_k20_alpha01_plan_is_consistent() -> None:
-    if not (CIFAR10 / "train.npz").is_file():
-        pytest.skip(f"no CIFAR-10 at {CIFAR10}")
+    assert (CIFAR10 / "train.npz").is_file(), f"this shared_data test needs CIFAR-10 at {CIFAR10}"
     out = plan_json(
         "--dataset",
         "cifar10",

@@ -284,9 +284,8 @@ class Federation:
         log.info("round %d: update from client %d accepted", rnd.number, client_id)
 
     def _pseudo_labels(self, client_id: int, state: dict[str, torch.Tensor]) -> np.ndarray:
-        """Label this client's synthetic samples with its NEW local model (validated before use)."""
+        """Label this client's synthetic samples with its NEW local model (the caller has validated `state`)."""
         assert self.sdafl is not None
-        codec.check_like(state, snapshot_state(self.model), what=f"client {client_id}'s local model")
         local = copy.deepcopy(self.model)
         local.load_state_dict(state)
         return self.sdafl.pseudo_labels(client_id, local)

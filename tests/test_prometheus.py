@@ -40,12 +40,12 @@ DASHBOARD = REPO / "deploy" / "grafana" / "fedsynth-dashboard.json"
 METRICS_DOC = REPO / "docs" / "metrics.md"
 INSTALL = "bash scripts/install_prometheus.sh"
 
-# 3 clients, 3 rounds, FedEAS at beta 4 (148 images on this partition): small enough for a 1-step DDIM generator.
+# 3 clients, 6 rounds, FedEAS at beta 4 (148 images on this partition): small enough for a 1-step DDIM generator.
 RUN: dict[str, Any] = {
     "seed": 0,
     "data.clients": 3,
-    "train.rounds": 3,
-    "train.local_epochs": 1,
+    "train.rounds": 6,  # the clients must outlive a few scrapes after their images arrive
+    "train.local_epochs": 3,
     "generation.policy": "fedeas",
     "generation.beta": 4.0,
 }
@@ -141,9 +141,9 @@ def free_port() -> int:
 
 
 def write_test_config(folder: Path) -> Path:
-    """The shipped config (its jobs and file_sd paths) with a 1 s scrape interval, next to an empty targets/."""
+    """The shipped config (its jobs and file_sd paths) with a 0.5 s scrape interval, next to an empty targets/."""
     settings = yaml.safe_load(SHIPPED_CONFIG.read_text())
-    settings["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
+    settings["global"].update(scrape_interval="500ms", scrape_timeout="500ms", evaluation_interval="1s")
     for role in ROLES:
         write_targets(folder / "targets", role, [])
     path = folder / "prometheus.yml"

@@ -1,0 +1,62 @@
+"""Write a seeded, class-stratified fraction of a train.npz/test.npz dataset folder, for reduced-scale experiments.
+
+    python scripts/subset_dataset.py --data-dir ../shared/data/cifar10 --train-fraction 0.1 --out /tmp/cifar10-10pct
+
+Each class keeps round(fraction * count) of its images, chosen by `--seed`; the output is sorted by class like the
+input, and the test split is copied whole unless --test-fraction is given. The output folder is a `data.data_dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+def stratified_indices(labels: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """round(fraction * n_c) indices of each class c, drawn without replacement, in ascending order."""
+    rng = np.random.default_rng(seed)
+    chosen = []
+    for cls in np.unique(labels):
+        members = np.flatnonzero(labels == cls)
+        keep = int(round(fraction * len(members)))
+        chosen.append(rng.choice(members, size=keep, replace=False))
+    return np.sort(np.concatenate(chosen))
+
+
+def write_split(source: Path, target: Path, fraction: float, seed: int) -> dict[str, int]:
+    with np.load(source, allow_pickle=False) as archive:
+        x, y = archive["x"], archive["y"]
+    keep = stratified_indices(y, fraction, seed) if fraction < 1.0 else np.arange(len(y))
+    np.savez(target, x=x[keep], y=y[keep])
+    return {"images": int(len(keep)), **{f"class_{c}": int(n) for c, n in enumerate(np.bincount(y[keep]))}}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", type=Path, required=True, help="folder with train.npz and test.npz")
+    parser.add_argument("--train-fraction", type=float, required=True, help="share of each class's train images to keep, in (0, 1]")
+    parser.add_argument("--test-fraction", type=float, default=1.0, help="share of each class's test images to keep (default 1)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True, help="folder to write train.npz, test.npz and subset.json")
+    args = parser.parse_args()
+    for name in ("train_fraction", "test_fraction"):
+        value = getattr(args, name)
+        if not 0.0 < value <= 1.0:
+            parser.error(f"--{name.replace('_', '-')} must be in (0, 1], got {value}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    counts = {
+        split: write_split(args.data_dir / f"{split}.npz", args.out / f"{split}.npz", fraction, args.seed)
+        for split, fraction in (("train", args.train_fraction), ("test", args.test_fraction))
+    }
+    record = {"source": str(args.data_dir.resolve()), "seed": args.seed, "train_fraction": args.train_fraction,
+              "test_fraction": args.test_fraction, "counts": counts}
+    (args.out / "subset.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps(record["counts"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -24,8 +24,14 @@ STOP_GRACE_S = 30.0  # after SIGTERM, the launcher stops its own children (10 s 
 
 
 def _comparable(config: dict[str, Any] | None) -> dict[str, Any]:
-    """Everything that changes results (runtime settings and the output folder do not)."""
-    return {k: v for k, v in (config or {}).items() if k not in ("runtime", "out_dir")}
+    """Everything that changes results: not runtime settings, not the output folder, and for a run that generates
+    nothing (policy none: FedAvg, the FL baselines, SDA-FL) not the generator settings either, so such a run is
+    the same run under every generator backend."""
+    kept = {k: v for k, v in (config or {}).items() if k not in ("runtime", "out_dir")}
+    generation = kept.get("generation")
+    if isinstance(generation, dict) and generation.get("policy") == "none":
+        kept["generation"] = {"policy": "none"}
+    return kept
 
 
 def config_differences(old: dict[str, Any] | None, new: dict[str, Any]) -> list[str]:
@@ -145,7 +151,9 @@ def run(args: argparse.Namespace) -> int:
     settings = experiment.settings
     seeds = parse_seeds(args.seeds, experiment.base_seed)
     out_dir = Path(args.out_dir or settings.out_dir or Path("runs") / "experiments" / settings.name)
-    plan = [(arm, seed) for arm in experiment.arms for seed in seeds]
+    plan = experiment.plan(seeds)
+    if not plan:
+        raise ConfigError(f"no arm runs on seeds {seeds}: every arm's 'seeds' list leaves them out")
     configs = {(arm.name, seed): experiment.arm_config(arm, seed, out_dir / f"{arm.name}-{seed}") for arm, seed in plan}
     outcomes: dict[tuple[str, int], dict[str, Any]] = {}
     for index, (arm, seed) in enumerate(plan, start=1):

@@ -19,7 +19,7 @@ ROLES = ("fedavg", "uniform", "missing", "full", "fedeas", "sdafl")
 # What must agree across arms so they share one partition and one generator (seed and data are checked too).
 GENERATOR_KEYS = ("backend", "model_dir", "generator", "size", "train_steps")
 EXPERIMENT_KEYS = {"name", "out_dir", "last_n", "threshold", "arm_timeout_s", "confidence"}
-ARM_KEYS = {"name", "role", "set", "timeout_s"}
+ARM_KEYS = {"name", "role", "set", "timeout_s", "seeds"}
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -50,6 +50,10 @@ class Arm:
     overrides: tuple[str, ...]
     timeout_s: float
     beta: float | None = None  # set for the points of a [sweep]
+    seeds: tuple[int, ...] | None = None  # run only on these of the experiment's seeds (None: on every seed)
+
+    def runs_on(self, seed: int) -> bool:
+        return self.seeds is None or seed in self.seeds
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,10 @@ class Experiment:
     @property
     def base_seed(self) -> int:
         return from_dict(self.base).seed
+
+    def plan(self, seeds: list[int]) -> list[tuple[Arm, int]]:
+        """(arm, seed) pairs to run, arm by arm: every arm on every seed it runs on."""
+        return [(arm, seed) for arm in self.arms for seed in seeds if arm.runs_on(seed)]
 
     def arm_config(self, arm: Arm, seed: int, arm_dir: Path) -> RunConfig:
         raw = apply_overrides(self.base, [*arm.overrides, f"seed={seed}", f"out_dir={json.dumps(str(arm_dir))}"])
@@ -102,7 +110,13 @@ def _arm(raw: Any, settings: Settings) -> Arm:
     timeout = raw.get("timeout_s", settings.arm_timeout_s)
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
         raise ConfigError(f"arm {name!r}: timeout_s must be a number > 0, got {timeout!r}")
-    return Arm(name, role, tuple(overrides), float(timeout))
+    seeds = raw.get("seeds")
+    if seeds is not None and (
+        not isinstance(seeds, list) or not seeds or not all(isinstance(x, int) and not isinstance(x, bool) for x in seeds)
+        or len(set(seeds)) != len(seeds)
+    ):
+        raise ConfigError(f"arm {name!r}: seeds must be a non-empty list of distinct integers, got {seeds!r}")
+    return Arm(name, role, tuple(overrides), float(timeout), seeds=None if seeds is None else tuple(seeds))
 
 
 def _sweep_arms(raw: Any, settings: Settings) -> list[Arm]:

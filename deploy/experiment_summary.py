@@ -48,19 +48,18 @@ def _mean(values: list[float]) -> float | None:
 def build_summary(experiment: Experiment, seeds: list[int], out_dir: Path, outcomes: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
     s = experiment.settings
     runs: list[dict[str, Any]] = []
-    for arm in experiment.arms:
-        for seed in seeds:
-            outcome = outcomes[(arm.name, seed)]
-            run_dir = out_dir / f"{arm.name}-{seed}"
-            metrics = run_metrics(run_dir, s.last_n, s.threshold) if outcome["status"] == "ok" else {}
-            runs.append({"arm": arm.name, "seed": seed, "run_dir": run_dir.name, **outcome, **metrics})
+    for arm, seed in experiment.plan(seeds):
+        outcome = outcomes[(arm.name, seed)]
+        run_dir = out_dir / f"{arm.name}-{seed}"
+        metrics = run_metrics(run_dir, s.last_n, s.threshold) if outcome["status"] == "ok" else {}
+        runs.append({"arm": arm.name, "seed": seed, "run_dir": run_dir.name, **outcome, **metrics})
     arms: list[dict[str, Any]] = []
     for arm in experiment.arms:
         ok = [r for r in runs if r["arm"] == arm.name and r["status"] == "ok"]
         reached = [r["rounds_to_threshold"] for r in ok if r["rounds_to_threshold"] is not None]
         arms.append({
             "name": arm.name, "role": arm.role, "beta": arm.beta, "overrides": list(arm.overrides),
-            "runs_ok": len(ok), "runs": len(seeds),
+            "runs_ok": len(ok), "runs": sum(arm.runs_on(seed) for seed in seeds),
             "accuracy": summarize([r["last_n_accuracy"] for r in ok], s.confidence).to_dict(),
             "budget": _mean([r["budget"] for r in ok]),
             "device_seconds": _mean([r["device_seconds"] for r in ok]),
@@ -68,15 +67,15 @@ def build_summary(experiment: Experiment, seeds: list[int], out_dir: Path, outco
             "rounds_to_threshold": {"reached": len(reached), "of": len(ok), "mean": _mean([float(x) for x in reached])},
         })
     by_role = {a["role"]: a for a in arms if a["role"]}
-    reference = by_role.get("fedavg")
+    per_seed = {a["name"]: {r["seed"]: r["last_n_accuracy"] for r in runs if r["arm"] == a["name"] and r["status"] == "ok"} for a in arms}
+    reference = per_seed[by_role["fedavg"]["name"]] if "fedavg" in by_role else None
     for a in arms:
-        # eta = accuracy gain over FedAvg in percentage points per 1,000 synthetic images (ΔAcc·10^3 / B)
-        gain = None if reference is None or a["accuracy"]["mean"] is None or reference["accuracy"]["mean"] is None else (
-            100.0 * (a["accuracy"]["mean"] - reference["accuracy"]["mean"])
-        )
+        # eta = accuracy gain over FedAvg in percentage points per 1,000 synthetic images (ΔAcc·10^3 / B); the gain is
+        # paired over the seeds both ran, so an arm run on seed 0 alone is compared with FedAvg's seed 0
+        common = sorted(set(per_seed[a["name"]]) & set(reference or {}))
+        gain = 100.0 * _mean([per_seed[a["name"]][x] - reference[x] for x in common]) if reference and common else None
         a["delta_accuracy_pp"] = gain
         a["efficiency"] = gain * 1e3 / a["budget"] if gain is not None and a["budget"] else None
-    per_seed = {a["name"]: {r["seed"]: r["last_n_accuracy"] for r in runs if r["arm"] == a["name"] and r["status"] == "ok"} for a in arms}
     paired: list[dict[str, Any]] = []
     for x, y in PAIRS:
         if x in by_role and y in by_role:

@@ -101,6 +101,8 @@ def test_every_arm_must_share_the_partition(tmp_path: Path) -> None:
         ('[[arms]]\nname = "a"\nset = ["train.algorithm=sgd"]\n', "arm 'a': train.algorithm must be one of"),
         ('[experiment]\nthreshold = "high"\n[[arms]]\nname = "a"\n', "experiment.threshold must be int or float, got 'high'"),
         ("[sweep]\nbetas = [0]\n", "sweep.betas must be a non-empty list of numbers > 0"),
+        ('[[arms]]\nname = "a"\nseeds = [0, 0]\n', "arm 'a': seeds must be a non-empty list of distinct integers, got [0, 0]"),
+        ('[[arms]]\nname = "a"\nseeds = "0"\n', "arm 'a': seeds must be a non-empty list of distinct integers, got '0'"),
         ("", "nothing to run"),
     ],
 )
@@ -126,6 +128,14 @@ def test_a_sweep_point_equal_to_an_arm_is_not_run_twice(tmp_path: Path) -> None:
     assert [(a.name, a.role, a.beta) for a in arms] == [("fedeas", "fedeas", 12.0), ("beta-4", None, 4.0)]
 
 
+def test_an_arm_runs_only_on_its_own_seeds(tmp_path: Path) -> None:
+    spec = write(tmp_path / "e.toml", TINY_BASE + '[[arms]]\nname = "fedavg"\n[[arms]]\nname = "b"\nseeds = [0, 5]\n')
+    experiment = load_experiment(spec)
+    assert [(arm.name, seed) for arm, seed in experiment.plan([0, 1, 2])] == [("fedavg", 0), ("fedavg", 1), ("fedavg", 2), ("b", 0)]
+    only_b = dataclasses.replace(experiment, arms=experiment.arms[1:])
+    assert only_b.plan([1, 2]) == []
+
+
 def test_seeds_are_parsed_or_named() -> None:
     assert parse_seeds("0, 1,2", 9) == [0, 1, 2] and parse_seeds(None, 9) == [9]
     with pytest.raises(ConfigError, match="'0,x'"):
@@ -147,6 +157,20 @@ def test_a_folder_of_another_config_is_named_not_rerun(tmp_path: Path) -> None:
     assert previous_run(tmp_path, cfg) == ("todo", None)  # only more rounds: the checkpoint resumes and extends the run
     (tmp_path / "report.json").write_text(json.dumps({"success": True, "config": {**cfg.to_dict(), "runtime": {}, "out_dir": "x"}}))
     assert previous_run(tmp_path, cfg) == ("done", None)
+
+
+def test_a_run_that_generates_nothing_is_the_same_run_under_any_backend(tmp_path: Path) -> None:
+    def config(policy: str, **generation: object) -> dict:
+        return from_dict({"data": {"holdout_fraction": 0.5}, "generation": {"policy": policy, **generation}}).to_dict()
+
+    (tmp_path / "checkpoint.safetensors").write_bytes(b"")
+    (tmp_path / "report.json").write_text(json.dumps({"success": True, "config": config("none", backend="holdout")}))
+    assert previous_run(tmp_path, from_dict(config("none", backend="ddpm", model_dir="/gen", ddim_steps=5))) == ("done", None)
+    state, why = previous_run(tmp_path, from_dict(config("fedeas", backend="ddpm")))
+    assert state == "stale" and "generation.policy: 'none' -> 'fedeas'" in str(why)
+    (tmp_path / "report.json").write_text(json.dumps({"success": True, "config": config("fedeas", backend="holdout")}))
+    state, why = previous_run(tmp_path, from_dict(config("fedeas", backend="ddpm")))
+    assert state == "stale" and "generation.backend: 'holdout' -> 'ddpm'" in str(why)
 
 
 # ---- real runs --------------------------------------------------------------------------------------
@@ -219,3 +243,11 @@ def test_two_arms_two_seeds_summarise_and_resume_without_rerunning(tmp_path: Pat
     [paired] = build_summary(dataclasses.replace(experiment, arms=as_fedeas), [0, 1], exp, outcomes)["paired"]
     assert (paired["a"], paired["b"], paired["seeds"]) == ("fedprox", "fedavg", [0, 1])
     assert paired["differences"] == pytest.approx([accuracy[("fedprox", s)] - accuracy[("fedavg", s)] for s in (0, 1)])
+
+    # An arm run on one seed is summarised over that seed, and its gain is paired with FedAvg's same seed.
+    seed_1_only = (experiment.arms[0], dataclasses.replace(experiment.arms[1], seeds=(1,)))
+    summary = build_summary(dataclasses.replace(experiment, arms=seed_1_only), [0, 1], exp, outcomes)
+    assert [(r["arm"], r["seed"]) for r in summary["runs"]] == [("fedavg", 0), ("fedavg", 1), ("fedprox", 1)]
+    fedprox = summary["arms"][1]
+    assert (fedprox["runs"], fedprox["accuracy"]["n"]) == (1, 1)
+    assert fedprox["delta_accuracy_pp"] == pytest.approx(100 * (accuracy[("fedprox", 1)] - accuracy[("fedavg", 1)]))

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from deploy.report import PHASES
 from deploy.report_render import PLOTS, pyplot, read_json_object, save_figure
 from deploy.stats import paired_difference, summarize
 from fedsynth.errors import ConfigError
@@ -37,6 +38,7 @@ def run_metrics(run_dir: Path, last_n: int, threshold: float) -> dict[str, Any]:
         "budget": int(report["generation"]["total_images"]) + int(sum(p.get("samples", 0) for p in privacy.values())),
         "device_seconds": float(report["generation"]["device_seconds"]),
         "wall_clock_s": float(report["wall_clock_s"]),
+        "phases_s": {phase: float(seconds) for phase, seconds in report["phases_s"].items()},
         "curve": curve,
     }
 
@@ -64,6 +66,7 @@ def build_summary(experiment: Experiment, seeds: list[int], out_dir: Path, outco
             "budget": _mean([r["budget"] for r in ok]),
             "device_seconds": _mean([r["device_seconds"] for r in ok]),
             "wall_clock_s": _mean([r["wall_clock_s"] for r in ok]),
+            "phases_s": {phase: _mean([r["phases_s"][phase] for r in ok]) for phase in PHASES} if ok else {},
             "rounds_to_threshold": {"reached": len(reached), "of": len(ok), "mean": _mean([float(x) for x in reached])},
         })
     by_role = {a["role"]: a for a in arms if a["role"]}
@@ -136,6 +139,13 @@ def _markdown(summary: dict[str, Any], plots: list[Path]) -> str:
             interval = "n/a" if p["ci_low"] is None else f"[{100 * p['ci_low']:+.2f}, {100 * p['ci_high']:+.2f}]"
             mean = "n/a" if p["mean"] is None else f"{100 * p['mean']:+.2f}"
             lines.append(f"| {p['a']} − {p['b']} | {per_seed or 'no common seed'} | {mean} | {interval} |")
+    if any(a.get("phases_s") for a in summary["arms"]):
+        lines += ["", "## Wall-clock by phase (s, mean over the arm's runs)", "",
+                  "| arm | " + " | ".join(PHASES) + " | wall-clock |", "|---|" + "---|" * (len(PHASES) + 1)]
+        for a in summary["arms"]:
+            if a.get("phases_s"):
+                cells = " | ".join(_num(a["phases_s"].get(phase), ".1f") for phase in PHASES)
+                lines.append(f"| {a['name']} | {cells} | {_num(a['wall_clock_s'], '.1f')} |")
     failed = [r for r in summary["runs"] if r["status"] != "ok"]
     if failed:
         lines += ["", "## Failed runs", "", *[f"- {r['arm']} seed {r['seed']}: {r['error']}" for r in failed]]

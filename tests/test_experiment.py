@@ -225,6 +225,9 @@ def test_two_arms_two_seeds_summarise_and_resume_without_rerunning(tmp_path: Pat
     assert summary["paired"] == []  # no FedEAS arm
     table = (exp / "summary.md").read_text()
     assert f"| fedavg | fedavg | {100 * fedavg['accuracy']['mean']:.2f} ± {100 * fedavg['accuracy']['std']:.2f} |" in table
+    training = [reports[("fedavg", seed)]["phases_s"]["training"] for seed in (0, 1)]
+    assert training[0] > 0 and fedavg["phases_s"]["training"] == pytest.approx(sum(training) / 2)
+    assert f"| fedavg | {fedavg['phases_s']['generation']:.1f} | {fedavg['phases_s']['training']:.1f} |" in table
     for name in ("accuracy_bars.png", "accuracy_curves.png"):
         assert (exp / "plots" / name).stat().st_size > 10_000
     stamps = {p: p.stat().st_mtime_ns for pattern in ("*/report.json", "*/logs/launcher.log") for p in exp.glob(pattern)}

@@ -24,18 +24,22 @@ STOP_GRACE_S = 30.0  # after SIGTERM, the launcher stops its own children (10 s 
 
 
 def _comparable(config: dict[str, Any] | None) -> dict[str, Any]:
-    """Everything that changes results: not runtime settings, not the output folder, and for a run that generates
-    nothing (policy none: FedAvg, the FL baselines, SDA-FL) not the generator settings either, so such a run is
-    the same run under every generator backend."""
-    kept = {k: v for k, v in (config or {}).items() if k not in ("runtime", "out_dir")}
-    generation = kept.get("generation")
-    if isinstance(generation, dict) and generation.get("policy") == "none":
-        kept["generation"] = {"policy": "none"}
-    return kept
+    """Everything that changes results (runtime settings and the output folder do not)."""
+    return {k: v for k, v in (config or {}).items() if k not in ("runtime", "out_dir")}
 
 
-def config_differences(old: dict[str, Any] | None, new: dict[str, Any]) -> list[str]:
-    """'section.key: old -> new' for every result-changing value that differs."""
+def _generates_nothing(config: dict[str, Any]) -> bool:
+    generation = config.get("generation")
+    return isinstance(generation, dict) and generation.get("policy") == "none"
+
+
+def config_differences(old: dict[str, Any] | None, new: dict[str, Any], *, results_only: bool = False) -> list[str]:
+    """'section.key: old -> new' for every differing value but runtime settings and the output folder. With
+    results_only, two runs that both generate nothing (policy none: FedAvg, the FL baselines, SDA-FL) are also
+    compared without their generator settings: such a run is the same run under every generator backend."""
+    a, b = _comparable(old), _comparable(new)
+    if results_only and _generates_nothing(a) and _generates_nothing(b):
+        a, b = {**a, "generation": {"policy": "none"}}, {**b, "generation": {"policy": "none"}}
 
     def walk(a: dict[str, Any], b: dict[str, Any], prefix: str) -> list[str]:
         found = []
@@ -47,22 +51,23 @@ def config_differences(old: dict[str, Any] | None, new: dict[str, Any]) -> list[
                 found.append(f"{prefix}{key}: {x!r} -> {y!r}")
         return found
 
-    return walk(_comparable(old), _comparable(new), "")
+    return walk(a, b, "")
 
 
 def previous_run(arm_dir: Path, cfg: RunConfig) -> tuple[str, str | None]:
-    """What the folder holds: ('done', None) a successful run of this config; ('stale', why) the checkpoint of
-    another config, which the coordinator would refuse; ('todo', None) nothing, or a run to resume or extend."""
+    """What the folder holds: ('done', None) a successful run with the same results; ('stale', why) the checkpoint
+    of another config, which the coordinator would refuse; ('todo', None) nothing, or a run to resume or extend."""
     try:
         report = json.loads((arm_dir / "report.json").read_text())
     except (OSError, json.JSONDecodeError):
         return "todo", None
     if not isinstance(report, dict) or not isinstance(report.get("config"), dict):
         return "todo", None
+    if report.get("success") is True and not config_differences(report["config"], cfg.to_dict(), results_only=True):
+        return "done", None
+    # resuming needs the exact config: the coordinator checks the checkpoint's fingerprint, generator settings included
     differences = config_differences(report["config"], cfg.to_dict())
-    if not differences:
-        return ("done", None) if report.get("success") is True else ("todo", None)
-    if all(d.startswith("train.rounds:") for d in differences) or not (arm_dir / CHECKPOINT_FILE).exists():
+    if not differences or all(d.startswith("train.rounds:") for d in differences) or not (arm_dir / CHECKPOINT_FILE).exists():
         return "todo", None  # a checkpoint resumes and extends to the new number of rounds; no checkpoint: run afresh
     return "stale", f"{arm_dir} holds a run of another config ({'; '.join(differences)}); delete it or use another --out-dir"
 
@@ -152,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
     seeds = parse_seeds(args.seeds, experiment.base_seed)
     out_dir = Path(args.out_dir or settings.out_dir or Path("runs") / "experiments" / settings.name)
     plan = experiment.plan(seeds)
+    for arm in experiment.arms:
+        if arm.seeds is not None and not any(arm.runs_on(seed) for seed in seeds):
+            log.warning("arm %s runs on seeds %s, none of --seeds %s: it is left out", arm.name, list(arm.seeds), seeds)
     if not plan:
         raise ConfigError(f"no arm runs on seeds {seeds}: every arm's 'seeds' list leaves them out")
     configs = {(arm.name, seed): experiment.arm_config(arm, seed, out_dir / f"{arm.name}-{seed}") for arm, seed in plan}

@@ -113,7 +113,7 @@ def _markdown(summary: dict[str, Any], plots: list[Path]) -> str:
         (
             f"Seeds {', '.join(map(str, summary['seeds']))}. Accuracy (%) is each run's mean test accuracy over its last {n} rounds "
             f"(all rounds when fewer), then mean ± sample std and the {conf}% t-interval over seeds. Budget: synthetic images. "
-            f"eta = ΔAcc (percentage points over the FedAvg arm) × 10^3 / budget. Rounds to {_pct(thr, 1)}%: the first round "
+            f"eta = ΔAcc × 10^3 / budget, ΔAcc being the percentage points over the FedAvg arm on the same seeds. An arm with fewer runs than seeds ran on some seeds only. Rounds to {_pct(thr, 1)}%: the first round "
             "at or above it (mean over the seeds that reached it)."
         ),
         "",

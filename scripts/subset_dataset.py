@@ -2,8 +2,8 @@
 
     python scripts/subset_dataset.py --data-dir ../shared/data/cifar10 --train-fraction 0.1 --out /tmp/cifar10-10pct
 
-Each class keeps round(fraction * count) of its images, chosen by `--seed`; the output is sorted by class like the
-input, and the test split is copied whole unless --test-fraction is given. The output folder is a `data.data_dir`.
+Each class keeps round(fraction * count) of its images (at least one), chosen by `--seed`, in the input's order;
+the test split is copied whole unless --test-fraction is given. The output folder is a `data.data_dir`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def stratified_indices(labels: np.ndarray, fraction: float, seed: int) -> np.nda
     chosen = []
     for cls in np.unique(labels):
         members = np.flatnonzero(labels == cls)
-        keep = int(round(fraction * len(members)))
+        keep = max(1, int(round(fraction * len(members))))
         chosen.append(rng.choice(members, size=keep, replace=False))
     return np.sort(np.concatenate(chosen))
 
@@ -46,6 +46,11 @@ def main() -> int:
         value = getattr(args, name)
         if not 0.0 < value <= 1.0:
             parser.error(f"--{name.replace('_', '-')} must be in (0, 1], got {value}")
+    missing = [str(args.data_dir / f"{split}.npz") for split in ("train", "test") if not (args.data_dir / f"{split}.npz").is_file()]
+    if missing:
+        parser.error(f"no such file: {', '.join(missing)}")
+    if args.out.resolve() == args.data_dir.resolve():
+        parser.error(f"--out {args.out} is the --data-dir: the subset would overwrite its source")
     args.out.mkdir(parents=True, exist_ok=True)
     counts = {
         split: write_split(args.data_dir / f"{split}.npz", args.out / f"{split}.npz", fraction, args.seed)

@@ -167,7 +167,11 @@ def test_a_run_that_generates_nothing_is_the_same_run_under_any_backend(tmp_path
     (tmp_path / "report.json").write_text(json.dumps({"success": True, "config": config("none", backend="holdout")}))
     assert previous_run(tmp_path, from_dict(config("none", backend="ddpm", model_dir="/gen", ddim_steps=5))) == ("done", None)
     state, why = previous_run(tmp_path, from_dict(config("fedeas", backend="ddpm")))
-    assert state == "stale" and "generation.policy: 'none' -> 'fedeas'" in str(why)
+    assert state == "stale" and "generation.backend: 'holdout' -> 'ddpm'; generation.policy: 'none' -> 'fedeas'" in str(why)
+    # an unfinished run resumes only under the exact config its checkpoint was made with
+    (tmp_path / "report.json").write_text(json.dumps({"success": False, "config": config("none", backend="holdout")}))
+    state, why = previous_run(tmp_path, from_dict(config("none", backend="ddpm")))
+    assert state == "stale" and "generation.backend: 'holdout' -> 'ddpm'" in str(why)
     (tmp_path / "report.json").write_text(json.dumps({"success": True, "config": config("fedeas", backend="holdout")}))
     state, why = previous_run(tmp_path, from_dict(config("fedeas", backend="ddpm")))
     assert state == "stale" and "generation.backend: 'holdout' -> 'ddpm'" in str(why)

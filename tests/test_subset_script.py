@@ -49,3 +49,7 @@ def test_a_fraction_outside_zero_to_one_is_named(tmp_path: Path) -> None:
     result = subset(tmp_path / "full", tmp_path / "out", "--train-fraction", "1.5")
     assert result.returncode == 2 and "--train-fraction must be in (0, 1], got 1.5" in result.stderr
     assert not (tmp_path / "out").exists()
+    result = subset(tmp_path / "full", tmp_path / "full", "--train-fraction", "0.5")
+    assert result.returncode == 2 and "the subset would overwrite its source" in result.stderr
+    result = subset(tmp_path / "nowhere", tmp_path / "out", "--train-fraction", "0.5")
+    assert result.returncode == 2 and f"no such file: {tmp_path / 'nowhere' / 'train.npz'}" in result.stderr

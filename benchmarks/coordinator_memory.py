@@ -11,7 +11,6 @@ rounds and over the second half (warm-up excluded). Prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import tempfile
@@ -19,10 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deploy.processes import ProcessGroup, fedsynth_command, wait_for_file
-from fedsynth import grpcutil
-from fedsynth.v1 import coordinator_pb2 as pb
-from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
+from local_federation import run_local_federation
 
 MIB = 1 << 20
 
@@ -40,26 +36,9 @@ def sample_rss(folder: Path, args: argparse.Namespace) -> list[int]:
         "data.clients": args.clients, "train.rounds": args.rounds, "train.model": "cnn", "train.max_steps": 0,
         "generation.policy": "none", "runtime.heartbeat_s": 2.0,
     }
-    sets = [item for key, value in settings.items() for item in ("--set", f"{key}={json.dumps(value)}")]
-    group = ProcessGroup(folder / "logs")
-    samples = []
-    try:
-        port_file = folder / "coordinator.port"
-        coordinator = group.start("coordinator", fedsynth_command("coordinator", *sets, "--out-dir", str(folder / "run"), "--port", "0", "--port-file", str(port_file), "--insecure"))
-        address = f"127.0.0.1:{wait_for_file(port_file, coordinator, timeout_s=180)}"
-        for lo in range(0, args.clients, args.clients_per_process):
-            ids = f"{lo}-{min(lo + args.clients_per_process, args.clients) - 1}"
-            group.start(f"client-{ids}", fedsynth_command("client", "--coordinator", address, "--clients", ids, "--torch-threads", "1", "--cache-dir", str(folder / "cache"), "--insecure"))
-        with grpcutil.make_channel(address) as channel:
-            for summary in pb_grpc.CoordinatorStub(channel).WatchRounds(pb.WatchRequest(), timeout=3600, wait_for_ready=True):
-                if summary.finished:
-                    if not summary.success:
-                        raise RuntimeError(f"run failed: {summary.message}")
-                    break
-                samples.append(rss_bytes(coordinator.pid))
-        coordinator.process.wait(timeout=60)
-    finally:
-        group.stop_all(grace_s=10.0)
+    samples: list[int] = []
+    run_local_federation(folder, settings, clients=args.clients, clients_per_process=args.clients_per_process,
+                         on_round=lambda coordinator: samples.append(rss_bytes(coordinator.pid)), watch_timeout_s=3600, exit_timeout_s=60)
     if len(samples) != args.rounds:
         raise RuntimeError(f"sampled {len(samples)} rounds, expected {args.rounds}")
     return samples

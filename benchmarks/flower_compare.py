@@ -110,10 +110,7 @@ def run_flower(flower_python: str, folder: Path, arrays_file: Path, clients: int
 # ---- our runtime --------------------------------------------------------------------------------------------------
 
 def run_ours(folder: Path, clients: int, rounds: int, model: str) -> dict[str, list[float]]:
-    from deploy.processes import ProcessGroup, fedsynth_command, wait_for_file
-    from fedsynth import grpcutil
-    from fedsynth.v1 import coordinator_pb2 as pb
-    from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
+    from local_federation import run_local_federation  # ours only: this file also runs under Flower's venv
 
     run_dir = folder / f"ours-{clients}"
     settings = {
@@ -121,26 +118,9 @@ def run_ours(folder: Path, clients: int, rounds: int, model: str) -> dict[str, l
         "data.min_size": 0, "train.model": model, "train.rounds": rounds, "train.max_steps": 0,
         "generation.policy": "none", "runtime.heartbeat_s": 5.0,
     }
-    sets = [item for key, value in settings.items() for item in ("--set", f"{key}={json.dumps(value)}")]
-    group = ProcessGroup(run_dir / "logs")
-    try:
-        port_file = run_dir / "coordinator.port"
-        coordinator = group.start("coordinator", fedsynth_command("coordinator", *sets, "--out-dir", str(run_dir / "run"), "--port", "0", "--port-file", str(port_file), "--insecure"))
-        address = f"127.0.0.1:{wait_for_file(port_file, coordinator, timeout_s=180)}"
-        for c in range(clients):
-            group.start(f"client-{c}", fedsynth_command("client", "--coordinator", address, "--clients", str(c), "--torch-threads", "1", "--cache-dir", str(run_dir / "cache"), "--insecure"))
-        ends = []
-        with grpcutil.make_channel(address) as channel:
-            for summary in pb_grpc.CoordinatorStub(channel).WatchRounds(pb.WatchRequest(), timeout=1800, wait_for_ready=True):
-                if summary.finished:
-                    if not summary.success:
-                        raise RuntimeError(f"run failed: {summary.message}")
-                    break
-                ends.append(time.monotonic())
-        coordinator.process.wait(timeout=120)
-    finally:
-        group.stop_all(grace_s=10.0)
-    record = json.loads((run_dir / "run" / "coordinator.json").read_text())
+    ends: list[float] = []
+    record = run_local_federation(run_dir, settings, clients=clients, clients_per_process=1,
+                                  on_round=lambda _coordinator: ends.append(time.monotonic()), watch_timeout_s=1800, exit_timeout_s=120)
     return {"periods": [b - a for a, b in zip(ends, ends[1:])], "own": [r["duration_s"] for r in record["rounds"]]}
 
 

@@ -11,7 +11,6 @@ checkpoint write and the next payload's encoding, is reported too. Prints a mark
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -19,11 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from deploy.processes import ProcessGroup, fedsynth_command, wait_for_file
-from fedsynth import grpcutil
 from fedsynth.training import LocalTrainConfig
-from fedsynth.v1 import coordinator_pb2 as pb
-from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
+from local_federation import run_local_federation
 
 
 def fewest_steps() -> int:
@@ -40,27 +36,10 @@ def run(folder: Path, args: argparse.Namespace, max_steps: int) -> tuple[dict, l
         "data.clients": args.clients, "train.rounds": args.rounds, "train.model": args.model, "train.max_steps": max_steps,
         "generation.policy": "none", "runtime.heartbeat_s": 2.0,
     }
-    sets = [item for key, value in settings.items() for item in ("--set", f"{key}={json.dumps(value)}")]
-    group = ProcessGroup(folder / "logs")
-    try:
-        port_file = folder / "coordinator.port"
-        coordinator = group.start("coordinator", fedsynth_command("coordinator", *sets, "--out-dir", str(folder / "run"), "--port", "0", "--port-file", str(port_file), "--insecure"))
-        address = f"127.0.0.1:{wait_for_file(port_file, coordinator, timeout_s=180)}"
-        for lo in range(0, args.clients, args.clients_per_process):
-            ids = f"{lo}-{min(lo + args.clients_per_process, args.clients) - 1}"
-            group.start(f"client-{ids}", fedsynth_command("client", "--coordinator", address, "--clients", ids, "--torch-threads", "1", "--cache-dir", str(folder / "cache"), "--insecure"))
-        arrivals = []
-        with grpcutil.make_channel(address) as channel:
-            for summary in pb_grpc.CoordinatorStub(channel).WatchRounds(pb.WatchRequest(), timeout=1800, wait_for_ready=True):
-                if summary.finished:
-                    if not summary.success:
-                        raise RuntimeError(f"run failed: {summary.message}")
-                    break
-                arrivals.append(time.monotonic())
-        coordinator.process.wait(timeout=60)
-    finally:
-        group.stop_all(grace_s=10.0)
-    return json.loads((folder / "run" / "coordinator.json").read_text()), arrivals
+    arrivals: list[float] = []
+    record = run_local_federation(folder, settings, clients=args.clients, clients_per_process=args.clients_per_process,
+                                  on_round=lambda _coordinator: arrivals.append(time.monotonic()), watch_timeout_s=1800, exit_timeout_s=60)
+    return record, arrivals
 
 
 def main() -> None:

@@ -65,7 +65,7 @@ def main() -> None:
           f"{platform.node()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n")
     print("| after round | RSS MiB |")
     print("|---:|---:|")
-    marks = sorted({1, 2, 5, 10, args.rounds // 4, args.rounds // 2, 3 * args.rounds // 4, args.rounds} - {0})
+    marks = sorted(r for r in {1, 2, 5, 10, args.rounds // 4, args.rounds // 2, 3 * args.rounds // 4, args.rounds} if 1 <= r <= args.rounds)
     for r in marks:
         print(f"| {r} | {samples[r - 1] / MIB:.1f} |")
     half = args.rounds // 2

@@ -10,26 +10,15 @@ from pathlib import Path
 
 import torch
 
-from coordinator.federation import Federation
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
+from coordinator.server import create_server
 from fedsynth import grpcutil, tls
 from fedsynth.config import load_config
 from fedsynth.errors import QuorumError
 from fedsynth.metrics import serve_metrics
-from fedsynth.strict_decoding import add_strictly
 from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_OK, setup_logging, write_atomic, write_json
-from fedsynth.v1 import coordinator_pb2_grpc
 
 log = logging.getLogger("coordinator")
-
-# With mutual TLS, the client id each of these RPCs claims must be the caller's certificate's (else PERMISSION_DENIED).
-CLAIMED_CLIENT_ID: dict[str, tls.ClaimedClientId] = {
-    "Register": lambda request: request.client_id,
-    "Subscribe": lambda request: request.client_id,
-    "SubmitUpdate": lambda first: first.header.client_id if first.WhichOneof("kind") == "header" else None,
-    "UploadSynthetic": lambda first: first.header.client_id if first.WhichOneof("kind") == "header" else None,
-}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     setup_logging("coordinator", args.log_level)
     security = tls.ServerSecurity.from_args(args, "coordinator")
-    credentials = security.credentials()  # read and checked before anything else starts
+    security.credentials()  # read and checked before anything else starts
     cfg = load_config(args.config, args.set)
     torch.set_num_threads(cfg.runtime.torch_threads)
     out_dir = Path(args.out_dir or cfg.out_dir)
@@ -57,16 +46,10 @@ def run(args: argparse.Namespace) -> int:
     metrics_port = serve_metrics(args.metrics_port)
     if metrics_port is not None and args.metrics_port_file:
         write_atomic(Path(args.metrics_port_file), str(metrics_port))
-    federation = Federation(cfg, out_dir, CoordinatorMetrics())
-
-    server = grpcutil.make_server(max_workers=max(16, 2 * cfg.data.clients + 8))
-    servicer = security.guard(CoordinatorServicer(federation, cfg.runtime.heartbeat_s), CLAIMED_CLIENT_ID)
-    add_strictly(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, servicer, server)
-    health = grpcutil.add_health(server, SERVICE_NAME)
-    bound = grpcutil.bind(server, f"{host}:{port}", credentials)
-    server.start()
-    grpcutil.set_serving(health, SERVICE_NAME)
-    stopped = grpcutil.stop_on_signals(server, health, before_stop=federation.close_streams)
+    coordinator, bound = create_server(cfg, out_dir=out_dir, host=host, port=port, security=security,
+                                       metrics=CoordinatorMetrics())
+    federation = coordinator.federation
+    stopped = grpcutil.stop_on_signals(coordinator.server, coordinator.health, before_stop=federation.close_streams)
     log.info("coordinator serving on %s:%d (%s; run %s, resuming after round %d)", host, bound,
              "mutual TLS" if security.files else "PLAINTEXT", federation.run_id, federation.completed)
     if args.port_file:
@@ -104,6 +87,5 @@ def run(args: argparse.Namespace) -> int:
             "finished_unix": time.time(),
         },
     )
-    health.enter_graceful_shutdown()
-    server.stop(grace=2.0).wait(5.0)
+    coordinator.stop(grace_s=2.0)
     return int(outcome.get("code", EXIT_BELOW_QUORUM))

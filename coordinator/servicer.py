@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 import grpc
 
-from coordinator.federation import Federation, Finished, TaskDelivery
+from coordinator.dispatch import Finished, TaskDelivery
+from coordinator.federation import Federation
 from fedsynth import codec
 from fedsynth.errors import StateError, WireError
 from fedsynth.v1 import coordinator_pb2 as pb

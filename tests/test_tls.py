@@ -15,7 +15,7 @@ import torch
 from cryptography import x509
 from google.protobuf.descriptor import Descriptor
 
-from coordinator.main import CLAIMED_CLIENT_ID
+from coordinator.server import CLAIMED_CLIENT_ID
 from deploy.processes import Child, ProcessGroup, fedsynth_command, wait_for_file
 from fedsynth import cli, grpcutil, tls
 from fedsynth.errors import ConfigError

@@ -1,0 +1,146 @@
+"""Who takes part: registered clients, their sessions and the outboxes that feed their dispatch streams."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.dispatch import Finished
+from coordinator.metrics import CoordinatorMetrics
+from fedsynth.errors import StateError, WireError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ClientRecord:
+    client_id: int
+    num_samples: int
+    fedeas_images: int
+    missing_classes: tuple[int, ...]
+    session: str
+    outbox: queue.Queue[Any] | None = None
+    generation: dict[str, Any] | None = None
+    has_synthetic: bool = False  # SDA-FL: holds the current shared synthetic images
+
+
+class ClientRegistry:
+    """Every method takes the federation's lock itself (a reentrant Condition, so callers may already hold it)."""
+
+    def __init__(self, lock: threading.Condition, metrics: CoordinatorMetrics, *, run_id: str, num_clients: int,
+                 num_classes: int) -> None:
+        self.lock = lock
+        self.metrics = metrics
+        self.run_id = run_id
+        self.num_clients = num_clients
+        self.num_classes = num_classes
+        self.clients: dict[int, ClientRecord] = {}
+        self.finished: Finished | None = None
+
+    def register(self, client_id: int, num_samples: int, fedeas_images: int, missing: Iterable[int], run_id: str, *,
+                 data_fixed: bool, has_synthetic: Callable[[str], bool], synthetic_digest: str = "") -> str:
+        """Admit (or re-admit) a client; once the budget is fixed (data_fixed) it must report the same data."""
+        if run_id != self.run_id:
+            raise StateError(f"client {client_id} was configured for run {run_id!r}, this coordinator runs {self.run_id!r}")
+        if not 0 <= client_id < self.num_clients:
+            raise WireError(f"client_id {client_id} is out of range 0..{self.num_clients - 1}")
+        if num_samples < 1:
+            raise WireError(f"client {client_id} reported num_samples={num_samples}; must be >= 1")
+        missing = tuple(sorted(set(missing)))
+        if any(c >= self.num_classes for c in missing):
+            raise WireError(f"client {client_id} reported missing class ids {missing} outside 0..{self.num_classes - 1}")
+        with self.lock:
+            old = self.clients.get(client_id)
+            if old and data_fixed and (old.num_samples, old.fedeas_images, old.missing_classes) != (num_samples, fedeas_images, missing):
+                raise StateError(f"client {client_id} re-registered with different data than before")
+            record = ClientRecord(client_id, num_samples, fedeas_images, missing, secrets.token_hex(16))
+            record.has_synthetic = has_synthetic(synthetic_digest)
+            if old is not None:
+                record.generation = old.generation
+                self._close_outbox(old)
+            self.clients[client_id] = record
+            self.metrics.clients_registered.set(len(self.clients))
+            self.lock.notify_all()
+        log.info("client %d registered (N_k=%d, FedEAS images %d)", client_id, num_samples, fedeas_images)
+        return record.session
+
+    def record(self, client_id: int, session: str) -> ClientRecord:
+        record = self.clients.get(client_id)
+        if record is None:
+            raise StateError(f"client {client_id} is not registered")
+        if record.session != session:
+            raise StateError(f"client {client_id}: session is stale (the client registered again or the coordinator restarted)")
+        return record
+
+    # ---- dispatch streams ----------------------------------------------------------------------
+
+    def open_stream(self, client_id: int, session: str) -> tuple[ClientRecord, queue.Queue[Any]]:
+        """A fresh outbox for the client's new stream (the old one ends); the run's end is queued if it has come."""
+        with self.lock:
+            record = self.record(client_id, session)
+            self._close_outbox(record)
+            record.outbox = queue.Queue()
+            if self.finished is not None:
+                record.outbox.put(self.finished)
+            self._count_connected()
+            return record, record.outbox
+
+    def close_stream(self, client_id: int, outbox: queue.Queue[Any]) -> None:
+        with self.lock:
+            record = self.clients.get(client_id)
+            if record is not None and record.outbox is outbox:
+                record.outbox = None
+                log.info("client %d disconnected", client_id)
+            self._count_connected()
+
+    def is_connected(self, client_id: int) -> bool:
+        record = self.clients.get(client_id)
+        return record is not None and record.outbox is not None
+
+    def send(self, client_id: int, item: Any) -> None:
+        """Queue an item on the client's open stream; nothing happens for a client without one."""
+        with self.lock:
+            record = self.clients.get(client_id)
+            if record is not None and record.outbox is not None:
+                record.outbox.put(item)
+
+    def finish(self, finished: Finished) -> None:
+        """Tell every connected client (and every later stream) that the run is over."""
+        with self.lock:
+            self.finished = finished
+            for record in self.clients.values():
+                if record.outbox is not None:
+                    record.outbox.put(finished)
+
+    def close_all(self) -> None:
+        """End every open dispatch stream now (shutdown), so no RPC holds the server for its whole grace period."""
+        with self.lock:
+            for record in self.clients.values():
+                self._close_outbox(record)
+            self._count_connected()
+
+    def drain(self, timeout_s: float) -> None:
+        """Wait (bounded) until every client stream has closed after the final message."""
+        stop_at = time.monotonic() + timeout_s
+        with self.lock:
+            while any(r.outbox is not None for r in self.clients.values()) and time.monotonic() < stop_at:
+                self.lock.wait(timeout=0.1)
+
+    def generation_reports(self) -> dict[int, dict[str, Any]]:
+        with self.lock:
+            return {c: dict(r.generation) for c, r in self.clients.items() if r.generation}
+
+    def _close_outbox(self, record: ClientRecord) -> None:
+        if record.outbox is not None:
+            record.outbox.put(None)  # ends the superseded stream
+            record.outbox = None
+
+    def _count_connected(self) -> None:
+        self.metrics.clients_connected.set(sum(1 for c in self.clients.values() if c.outbox is not None))
+        self.lock.notify_all()

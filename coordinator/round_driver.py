@@ -1,0 +1,222 @@
+"""The round loop: wait for registrations, then per round sample, dispatch, wait for answers, aggregate, evaluate,
+checkpoint and publish."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from coordinator.dispatch import Finished, TaskDelivery
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.progress import ProgressFeed
+from coordinator.registry import ClientRegistry
+from coordinator.rounds import RoundInProgress, quorum_size, round_phases
+from coordinator.run_state import RunState
+from coordinator.sdafl_server import SdaflServer
+from fedsynth import codec
+from fedsynth.algorithms.base import Algorithm, snapshot_state
+from fedsynth.config import RunConfig
+from fedsynth.errors import QuorumError
+from fedsynth.training import TrainData, evaluate
+
+log = logging.getLogger(__name__)
+
+
+def _finite_mean(values: list[float]) -> float | None:
+    finite = [v for v in values if np.isfinite(v)]
+    return float(np.mean(finite)) if finite else None
+
+
+class RoundDriver:
+    def __init__(self, cfg: RunConfig, *, out_dir: Path, lock: threading.Condition, registry: ClientRegistry,
+                 state: RunState, algorithm: Algorithm, sdafl: SdaflServer | None, metrics: CoordinatorMetrics,
+                 progress: ProgressFeed, test_data: TrainData) -> None:
+        self.cfg = cfg
+        self.out_dir = out_dir
+        self.lock = lock
+        self.registry = registry
+        self.state = state
+        self.algorithm = algorithm
+        self.sdafl = sdafl
+        self.metrics = metrics
+        self.progress = progress
+        self.test_data = test_data
+        self.current: RoundInProgress | None = None
+
+    def run(self) -> None:
+        """Play every remaining round; raises QuorumError when the run cannot go on."""
+        try:
+            self._await_registrations()
+            if self.sdafl is not None:
+                with self.lock:
+                    registered = sorted(self.registry.clients)
+                self.sdafl.await_uploads(
+                    registered,
+                    timeout_s=self.cfg.runtime.registration_timeout_s + self.cfg.runtime.round_timeout_s,
+                    need=quorum_size(self.cfg.data.clients, self.cfg.runtime.quorum),
+                )
+            for number in range(self.state.completed + 1, self.cfg.train.rounds + 1):
+                self._play_round(number)
+            self.finish(Finished(f"completed {self.cfg.train.rounds} rounds", True))
+        except QuorumError as exc:
+            self.finish(Finished(str(exc), False))
+            raise
+
+    def finish(self, finished: Finished) -> None:
+        with self.lock:
+            self.registry.finish(finished)
+            self.progress.finish(finished)
+        log.info("run finished: %s", finished.reason)
+
+    # ---- before round 1 ------------------------------------------------------------------------
+
+    def _await_registrations(self) -> None:
+        """A fresh run waits for all K clients (up to registration_timeout_s). A resumed run goes on once a quorum
+        is back and no client has registered for rejoin_grace_s: a client that died with the old coordinator
+        must not hold the run for the whole registration timeout."""
+        k = self.cfg.data.clients
+        need = quorum_size(k, self.cfg.runtime.quorum)
+        stop_at = time.monotonic() + self.cfg.runtime.registration_timeout_s
+        resuming = self.state.completed > 0
+        clients = self.registry.clients
+        with self.lock:
+            seen, last_change = 0, time.monotonic()
+            while len(clients) < k:
+                now = time.monotonic()
+                if len(clients) != seen:
+                    seen, last_change = len(clients), now
+                if now >= stop_at or (resuming and seen >= need and now - last_change >= self.cfg.runtime.rejoin_grace_s):
+                    break
+                self.lock.wait(timeout=min(stop_at - now, 0.5))
+            if len(clients) < need:
+                raise QuorumError(
+                    f"only {len(clients)} of {k} clients registered within "
+                    f"{self.cfg.runtime.registration_timeout_s:.0f}s (quorum {need})"
+                )
+            if self.state.quota is None:  # a resumed run keeps the budget it started with
+                self.state.quota = self._matched_quota()
+
+    def _matched_quota(self) -> np.ndarray | None:
+        """Uniform / Missing-only quotas matched to B = the FedEAS total the clients report (or generation.budget)."""
+        policy = self.cfg.generation.policy
+        if policy not in ("uniform", "missing"):
+            return None
+        from fedsynth.allocation import matched_quota
+
+        k, c = self.cfg.data.clients, self.registry.num_classes
+        present = np.ones((k, c), dtype=np.int64)  # only absence matters to these rules, so 1 stands for "present"
+        for record in self.registry.clients.values():
+            present[record.client_id, list(record.missing_classes)] = 0
+        total = self.cfg.generation.budget
+        if total is None:
+            total = sum(r.fedeas_images for r in self.registry.clients.values())
+        return matched_quota(policy, present, int(total))
+
+    # ---- one round -----------------------------------------------------------------------------
+
+    def delivery(self, rnd: RoundInProgress, client_id: int) -> TaskDelivery:
+        quota = [] if self.state.quota is None else [int(v) for v in self.state.quota[client_id]]
+        record = self.registry.clients.get(client_id)
+        if self.sdafl is not None and record is not None and not record.has_synthetic:
+            if rnd.payload_with_images is None:
+                rnd.payload_with_images = self._task_payload(rnd.global_state, with_images=True)
+            payload = rnd.payload_with_images
+            return TaskDelivery(rnd.task_id, rnd.number, rnd.deadline_s, quota, payload, codec.describe(payload))
+        return TaskDelivery(rnd.task_id, rnd.number, rnd.deadline_s, quota, rnd.payload, rnd.meta)
+
+    def _task_payload(self, global_state: dict[str, torch.Tensor], *, with_images: bool) -> bytes:
+        groups = {"model": global_state, "extra": self.algorithm.server_extra(self.state.server_state)}
+        if self.sdafl is not None:
+            groups["synthetic"] = self.sdafl.task_groups(with_images=with_images)
+        return codec.encode(codec.join_prefixed(**groups))
+
+    def _play_round(self, number: int) -> None:
+        state = self.state
+        k = self.cfg.data.clients
+        m = max(1, round(self.cfg.train.fraction * k))
+        sampled = sorted(int(c) for c in state.rng.choice(k, size=m, replace=False))
+        global_state = snapshot_state(state.model)
+        payload = self._task_payload(global_state, with_images=False)
+        rnd = RoundInProgress(
+            number=number,
+            task_id=secrets.token_hex(8),
+            sampled=sampled,
+            payload=payload,
+            meta=codec.describe(payload),
+            aggregator=self.algorithm.new_aggregator(global_state, state.server_state),
+            deadline_s=self.cfg.runtime.round_timeout_s,
+            need=quorum_size(m, self.cfg.runtime.quorum),
+            global_state=global_state,
+        )
+        with self.lock:
+            self.current = rnd
+            for client_id in sampled:
+                if self.registry.is_connected(client_id):
+                    self.registry.send(client_id, self.delivery(rnd, client_id))
+        log.info("round %d: sampled %s", number, sampled)
+        self._wait_for_answers(rnd)
+        closed_at = time.monotonic()
+        with self.lock:
+            self.current = None
+        started = time.monotonic()
+        new_global, state.server_state = rnd.aggregator.finish()
+        state.model.load_state_dict(new_global)
+        rnd.aggregation_s += time.monotonic() - started
+        sdafl_summary = self.sdafl.after_aggregation(state.model, number) if self.sdafl is not None else {}
+        started = time.monotonic()
+        loss, acc = evaluate(state.model, self.test_data, self.cfg.train.eval_batch_size)
+        phases = round_phases(rnd, closed_at, time.monotonic() - started)
+        summary = {
+            "round": number,
+            "accuracy": acc,
+            "loss": loss,
+            "duration_s": time.monotonic() - rnd.started,
+            "participants": sorted(rnd.answered),
+            "sampled": sampled,
+            "phases_s": phases,
+            "bytes_sent": rnd.bytes_sent,
+            "bytes_received": rnd.bytes_received,
+            "train_loss": _finite_mean([a["train_loss"] for a in rnd.answered.values()]),
+            **sdafl_summary,
+        }
+        state.completed = number
+        state.history.append(summary)
+        state.save(self.out_dir, self.sdafl)
+        self.metrics.observe_round(summary)
+        log.info("round %d: accuracy %.4f loss %.4f (%d/%d answered)", number, acc, loss, len(rnd.answered), m)
+        self.progress.publish(summary)
+
+    def _wait_for_answers(self, rnd: RoundInProgress) -> None:
+        grace = self.cfg.runtime.rejoin_grace_s
+        unreachable_since: float | None = None
+        with self.lock:
+            while rnd.pending:
+                now = time.monotonic()
+                if rnd.expired:
+                    if len(rnd.answered) >= rnd.need:
+                        log.warning("round %d: deadline reached; closing with %d/%d answers", rnd.number, len(rnd.answered), len(rnd.sampled))
+                        return
+                    raise QuorumError(
+                        f"round {rnd.number}: {len(rnd.answered)} of {len(rnd.sampled)} sampled clients answered "
+                        f"within {rnd.deadline_s:.0f}s; quorum is {rnd.need}"
+                    )
+                if any(self.registry.is_connected(c) for c in rnd.pending):
+                    unreachable_since = None
+                else:
+                    unreachable_since = unreachable_since or now
+                    if now - unreachable_since >= grace:
+                        if len(rnd.answered) >= rnd.need:
+                            log.warning("round %d: clients %s gone; closing with the quorum", rnd.number, sorted(rnd.pending))
+                            return
+                        raise QuorumError(
+                            f"round {rnd.number}: only {len(rnd.answered)} answered and clients {sorted(rnd.pending)} "
+                            f"have been unreachable for {grace:.0f}s; quorum is {rnd.need} of {len(rnd.sampled)}"
+                        )
+                self.lock.wait(timeout=0.25)

@@ -1,0 +1,64 @@
+"""The coordinator's gRPC server: the Coordinator service over a Federation, with health, TLS and backpressure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health
+
+from coordinator.federation import Federation
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
+from fedsynth import grpcutil, tls
+from fedsynth.config import RunConfig
+from fedsynth.strict_decoding import add_strictly
+from fedsynth.v1 import coordinator_pb2_grpc
+
+# With mutual TLS, the client id each of these RPCs claims must be the caller's certificate's (else PERMISSION_DENIED).
+CLAIMED_CLIENT_ID: dict[str, tls.ClaimedClientId] = {
+    "Register": lambda request: request.client_id,
+    "Subscribe": lambda request: request.client_id,
+    "SubmitUpdate": lambda first: first.header.client_id if first.WhichOneof("kind") == "header" else None,
+    "UploadSynthetic": lambda first: first.header.client_id if first.WhichOneof("kind") == "header" else None,
+}
+
+
+@dataclass
+class CoordinatorServer:
+    server: grpc.Server
+    health: health.HealthServicer
+    federation: Federation
+    port: int
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Graceful: health says NOT_SERVING, open dispatch streams end, in-flight RPCs get grace_s."""
+        self.health.enter_graceful_shutdown()
+        self.federation.close_streams()
+        self.server.stop(grace=grace_s).wait(grace_s + 3.0)
+
+
+def create_server(
+    cfg: RunConfig,
+    *,
+    out_dir: Path,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    security: tls.ServerSecurity | None = None,
+    metrics: CoordinatorMetrics | None = None,
+) -> tuple[CoordinatorServer, int]:
+    """Build the federation (data, model, checkpoint resume), bind host:port (0 picks a free port), start serving and
+    report SERVING; the rounds start only when the caller runs `server.federation.run()`."""
+    security = security or tls.ServerSecurity(files=None)
+    credentials = security.credentials()
+    federation = Federation(cfg, out_dir, metrics or CoordinatorMetrics())
+    # A dispatch stream holds a worker thread per connected client; leave room for uploads and health checks.
+    server = grpcutil.make_server(max_workers=max(16, 2 * cfg.data.clients + 8))
+    servicer = security.guard(CoordinatorServicer(federation, cfg.runtime.heartbeat_s), CLAIMED_CLIENT_ID)
+    add_strictly(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, servicer, server)
+    health_servicer = grpcutil.add_health(server, SERVICE_NAME)
+    bound = grpcutil.bind(server, f"{host}:{port}", credentials)
+    server.start()
+    grpcutil.set_serving(health_servicer, SERVICE_NAME)
+    return CoordinatorServer(server, health_servicer, federation, bound), bound

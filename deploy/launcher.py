@@ -20,6 +20,7 @@ from deploy.scrape import scrape, total
 from fedsynth import grpcutil, tls
 from fedsynth.config import RunConfig, load_config
 from fedsynth.errors import ConfigError
+from fedsynth.partition import check_partition
 from fedsynth.runtime import EXIT_INTERRUPTED, setup_logging, write_json
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
@@ -184,6 +185,7 @@ class Launcher:
 def run(args: argparse.Namespace) -> int:
     setup_logging("launcher", args.log_level)
     cfg = load_config(args.config, args.set)
+    check_partition(cfg)  # an impossible split fails here, in seconds, not in every client node
     out_dir = Path(args.out_dir or cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "config.json", cfg.to_dict())

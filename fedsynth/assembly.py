@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 import zlib
 
 import numpy as np
@@ -12,7 +13,8 @@ import torch
 from fedsynth.algorithms import Algorithm, get_algorithm
 from fedsynth.config import DataConfig, RunConfig
 from fedsynth.data import ArrayDataset, load_dataset
-from fedsynth.partition import partition
+from fedsynth.errors import FedsynthError
+from fedsynth.partition import partition_for
 from fedsynth.training import LocalTrainConfig
 
 
@@ -45,19 +47,26 @@ def client_shard(cfg: RunConfig, client_id: int) -> ArrayDataset:
     return train.subset(parts[client_id])
 
 
-@functools.lru_cache(maxsize=2)  # one load and one partition for all logical clients of a process
+_split_lock = threading.Lock()
+
+
 def _partitioned(d: DataConfig, seed: int) -> tuple[ArrayDataset, list[np.ndarray]]:
-    train = load_dataset(d.dataset, "train", data_dir=d.data_dir, download=d.download)
-    parts = partition(
-        train.y,
-        d.clients,
-        scheme=d.partition,
-        alpha=d.alpha,
-        seed=seed,
-        min_size=d.min_size,
-        holdout_fraction=d.holdout_fraction,
-    )
-    return train, parts
+    """One load and one split per process for all its logical clients, which ask at once from their threads: the lock
+    makes the others wait for the first instead of each redoing it (lru_cache alone does not), and a failure is kept."""
+    with _split_lock:
+        outcome = _load_and_split(d, seed)
+    if isinstance(outcome, FedsynthError):
+        raise type(outcome)(str(outcome))  # a fresh exception per client thread, not one shared traceback
+    return outcome
+
+
+@functools.lru_cache(maxsize=2)
+def _load_and_split(d: DataConfig, seed: int) -> tuple[ArrayDataset, list[np.ndarray]] | FedsynthError:
+    try:
+        train = load_dataset(d.dataset, "train", data_dir=d.data_dir, download=d.download)
+        return train, partition_for(d, seed, train.y)
+    except FedsynthError as exc:
+        return exc
 
 
 def client_seed(cfg: RunConfig, client_id: int, purpose: str) -> int:

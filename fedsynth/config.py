@@ -8,13 +8,22 @@ import json
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from fedsynth.config_schema import (
+    ACCOUNTANTS,
+    ALGORITHMS,
+    GENERATOR_BACKENDS,
+    GENERATOR_SIZES,
+    MODELS,
+    PARTITIONS,
+    POLICIES,
+    Section,
+)
+from fedsynth.data import DATASETS
 from fedsynth.errors import ConfigError
 
-POLICIES = ("none", "fedeas", "uniform", "missing", "full")
-ALGORITHMS = ("fedavg", "fedprox", "scaffold", "moon", "sdafl")
-GENERATOR_BACKENDS = ("ddpm", "holdout")  # generator_service.backends.BACKENDS; holdout: real held-out images
+MAX_SEED = 2**32 - 1  # torch, numpy and the derived per-client seeds all take it
 
 
 def _require(ok: bool, message: str) -> None:
@@ -23,7 +32,8 @@ def _require(ok: bool, message: str) -> None:
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class DataConfig(Section):
+    SECTION: ClassVar[str] = "data"
     dataset: str = "digits"
     data_dir: str | None = None
     download: bool = False
@@ -33,16 +43,19 @@ class DataConfig:
     min_size: int = 10
     holdout_fraction: float = 0.0
 
-    def __post_init__(self) -> None:
-        _require(self.clients >= 1, f"data.clients must be >= 1, got {self.clients}")
-        _require(self.partition in ("dirichlet", "iid"), f"data.partition must be 'dirichlet' or 'iid', got {self.partition!r}")
-        _require(self.alpha > 0, f"data.alpha must be > 0, got {self.alpha}")
-        _require(self.min_size >= 0, f"data.min_size must be >= 0, got {self.min_size}")
-        _require(0 <= self.holdout_fraction < 1, f"data.holdout_fraction must be in [0, 1), got {self.holdout_fraction}")
+    def check(self) -> None:
+        self.one_of("dataset", DATASETS)
+        self.non_empty("data_dir")
+        self.at_least(1, "clients")
+        self.one_of("partition", PARTITIONS)
+        self.above(0, "alpha")
+        self.at_least(0, "min_size")
+        self.within("holdout_fraction", 0, 1, high_open=True)
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(Section):
+    SECTION: ClassVar[str] = "train"
     model: str = "cnn"
     algorithm: str = "fedavg"
     rounds: int = 20
@@ -55,20 +68,22 @@ class TrainConfig:
     max_steps: int | None = None
     augment: bool = False
     eval_batch_size: int = 512
-    algorithm_params: dict[str, float] = field(default_factory=dict)
+    algorithm_params: dict[str, int | float] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        _require(self.algorithm in ALGORITHMS, f"train.algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
-        _require(self.rounds >= 1, f"train.rounds must be >= 1, got {self.rounds}")
-        _require(0 < self.fraction <= 1, f"train.fraction must be in (0, 1], got {self.fraction}")
-        _require(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
-        _require(self.batch_size >= 1, f"train.batch_size must be >= 1, got {self.batch_size}")
-        _require(self.local_epochs >= 1, f"train.local_epochs must be >= 1, got {self.local_epochs}")
-        _require(self.max_steps is None or self.max_steps >= 0, f"train.max_steps must be >= 0, got {self.max_steps}")
+    def check(self) -> None:
+        self.one_of("model", MODELS)
+        self.one_of("algorithm", ALGORITHMS)
+        self.at_least(1, "rounds", "batch_size", "local_epochs", "eval_batch_size")
+        self.within("fraction", 0, 1, low_open=True)
+        self.above(0, "lr")
+        self.within("momentum", 0, 1, high_open=True)
+        self.at_least(0, "weight_decay", "max_steps")
+        self.parameters_of(self.algorithm, "algorithm_params")
 
 
 @dataclass(frozen=True)
-class GenerationConfig:
+class GenerationConfig(Section):
+    SECTION: ClassVar[str] = "generation"
     policy: str = "fedeas"  # the embedded default run is FedEAS; "none" is plain federated training
     beta: float = 12.0
     budget: int | None = None
@@ -80,19 +95,24 @@ class GenerationConfig:
     train_steps: int = 1500  # for a generator the launcher trains on first use
     size: str = "tiny"
 
-    def __post_init__(self) -> None:
-        _require(self.policy in POLICIES, f"generation.policy must be one of {POLICIES}, got {self.policy!r}")
-        _require(self.backend in GENERATOR_BACKENDS,
-                 f"generation.backend must be one of {GENERATOR_BACKENDS}, got {self.backend!r}")
-        _require(self.beta > 0, f"generation.beta must be > 0, got {self.beta}")
-        _require(self.budget is None or self.budget >= 0, f"generation.budget must be >= 0, got {self.budget}")
-        _require(self.ddim_steps >= 1, f"generation.ddim_steps must be >= 1, got {self.ddim_steps}")
+    def check(self) -> None:
+        self.one_of("policy", POLICIES)
+        self.one_of("backend", GENERATOR_BACKENDS)
+        self.one_of("size", GENERATOR_SIZES)
+        self.above(0, "beta")
+        self.at_least(0, "budget")
+        self.non_empty("model_dir")
+        self.address("generator")
+        self.within("ddim_steps", 1, 1000)  # the generator's sampling limits (generator_service.ddpm.sampling)
+        self.within("guidance", 0, 100)
+        self.at_least(1, "train_steps")
 
 
 @dataclass(frozen=True)
-class SdaflConfig:
+class SdaflConfig(Section):
     """SDA-FL knobs. The paper does not publish tau, lambda2, a, the GAN sizes or epsilon: these are our defaults."""
 
+    SECTION: ClassVar[str] = "sdafl"
     samples_per_client: int = 200  # M: unlabelled DP-GAN samples each client uploads once
     tau: float = 0.95  # keep a pseudo-label only where the max class probability exceeds tau
     lambda2: float = 1.0  # weight of the cross-entropy on the real batch
@@ -113,23 +133,19 @@ class SdaflConfig:
     server_batch_size: int = 64
     track_agreement: bool = True  # measure pseudo-label agreement with a centrally trained reference classifier
 
-    def __post_init__(self) -> None:
-        _require(self.samples_per_client >= 1, f"sdafl.samples_per_client must be >= 1, got {self.samples_per_client}")
-        _require(0 <= self.tau < 1, f"sdafl.tau must be in [0, 1), got {self.tau}")
-        _require(self.lambda2 >= 0, f"sdafl.lambda2 must be >= 0, got {self.lambda2}")
-        _require(self.mixup_alpha > 0, f"sdafl.mixup_alpha must be > 0, got {self.mixup_alpha}")
-        _require(self.gan_steps >= 1, f"sdafl.gan_steps must be >= 1, got {self.gan_steps}")
-        _require(self.gan_lr > 0, f"sdafl.gan_lr must be > 0, got {self.gan_lr}")
-        _require(self.target_epsilon >= 0, f"sdafl.target_epsilon must be >= 0 (0: use noise_multiplier), got {self.target_epsilon}")
-        _require(self.noise_multiplier >= 0, f"sdafl.noise_multiplier must be >= 0, got {self.noise_multiplier}")
-        _require(0 <= self.delta < 1, f"sdafl.delta must be in [0, 1) (0: 1/N_k^1.1), got {self.delta}")
-        _require(self.max_grad_norm > 0, f"sdafl.max_grad_norm must be > 0, got {self.max_grad_norm}")
-        _require(self.accountant in ("rdp", "prv"), f"sdafl.accountant must be 'rdp' or 'prv', got {self.accountant!r}")
-        _require(self.server_steps >= 0, f"sdafl.server_steps must be >= 0, got {self.server_steps}")
+    def check(self) -> None:
+        self.at_least(1, "samples_per_client", "gan_steps", "gan_batch_size", "gan_latent_dim", "gan_width",
+                      "server_batch_size")
+        self.within("tau", 0, 1, high_open=True)
+        self.at_least(0, "lambda2", "target_epsilon", "noise_multiplier", "server_steps")
+        self.above(0, "mixup_alpha", "gan_lr", "max_grad_norm", "server_lr")
+        self.within("delta", 0, 1, high_open=True)
+        self.one_of("accountant", ACCOUNTANTS)
 
 
 @dataclass(frozen=True)
-class RuntimeConfig:
+class RuntimeConfig(Section):
+    SECTION: ClassVar[str] = "runtime"
     host: str = "127.0.0.1"
     coordinator_port: int = 0
     round_timeout_s: float = 600.0
@@ -138,20 +154,24 @@ class RuntimeConfig:
     rejoin_grace_s: float = 10.0
     clients_per_process: int = 1
     torch_threads: int = 1
-    heartbeat_s: float = 2.0
+    heartbeat_s: float = 2.0  # coordinator -> client stream heartbeats, and each client's Heartbeat RPC
+    heartbeat_timeout_s: float = 6.0  # a connected client silent this long is dropped (its stream ended)
     tls_dir: str | None = None  # `fedsynth deploy provision` folder: the launcher runs every role over mutual TLS
 
-    def __post_init__(self) -> None:
-        _require(self.round_timeout_s > 0, f"runtime.round_timeout_s must be > 0, got {self.round_timeout_s}")
-        _require(0 < self.quorum <= 1, f"runtime.quorum must be in (0, 1], got {self.quorum}")
-        _require(self.registration_timeout_s > 0, f"runtime.registration_timeout_s must be > 0, got {self.registration_timeout_s}")
-        _require(self.clients_per_process >= 1, f"runtime.clients_per_process must be >= 1, got {self.clients_per_process}")
-        _require(self.torch_threads >= 1, f"runtime.torch_threads must be >= 1, got {self.torch_threads}")
-        _require(self.heartbeat_s > 0, f"runtime.heartbeat_s must be > 0, got {self.heartbeat_s}")
+    def check(self) -> None:
+        self.non_empty("host", "tls_dir")
+        self.within("coordinator_port", 0, 65535)
+        self.above(0, "round_timeout_s", "registration_timeout_s", "heartbeat_s")
+        self.within("quorum", 0, 1, low_open=True)
+        self.at_least(0, "rejoin_grace_s")
+        self.at_least(1, "clients_per_process", "torch_threads")
+        if self.heartbeat_timeout_s <= self.heartbeat_s:
+            raise ConfigError(f"runtime.heartbeat_timeout_s={self.heartbeat_timeout_s!r} must exceed "
+                              f"runtime.heartbeat_s={self.heartbeat_s!r} (a client sends one heartbeat every heartbeat_s)")
 
 
 @dataclass(frozen=True)
-class RunConfig:
+class RunConfig(Section):
     name: str = "default"
     seed: int = 0
     out_dir: str = "runs/default"
@@ -160,6 +180,10 @@ class RunConfig:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     sdafl: SdaflConfig = field(default_factory=SdaflConfig)
+
+    def check(self) -> None:
+        self.non_empty("name", "out_dir")
+        self.within("seed", 0, MAX_SEED)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -184,34 +208,29 @@ SECTIONS = {
 
 
 def _build(cls: type, values: dict[str, Any], where: str) -> Any:
-    known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(values) - set(known))
-    _require(not unknown, f"unknown key(s) in [{where}]: {', '.join(unknown)}; known: {', '.join(known)}")
-    defaults = cls()
-    converted: dict[str, Any] = {}
+    """A section (or, where == "", the top level) from its table; its __post_init__ checks every value."""
+    known = [f.name for f in fields(cls)]
     for key, value in values.items():
-        expected = getattr(defaults, key)
-        if isinstance(expected, bool) and not isinstance(value, bool):
-            raise ConfigError(f"{where}.{key} must be true or false, got {value!r}")
-        if isinstance(expected, float) and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if expected is not None and not isinstance(expected, dict) and not isinstance(value, type(expected)):
-            raise ConfigError(f"{where}.{key} must be {type(expected).__name__}, got {value!r}")
-        converted[key] = value
-    try:
-        return cls(**converted)
-    except TypeError as exc:
-        raise ConfigError(f"[{where}]: {exc}") from exc
+        if key in known:
+            continue
+        if where:
+            raise ConfigError(f"unknown key {where}.{key} (known in [{where}]: {', '.join(known)})")
+        if isinstance(value, dict):  # e.g. --set foo.bar=1
+            inner = next(iter(value), "")
+            raise ConfigError(f"unknown section [{key}] ({key}.{inner}); known sections: {', '.join(SECTIONS)}")
+        raise ConfigError(f"unknown key {key} (known at the top level: {', '.join(known)})")
+    return cls(**values)
 
 
 def from_dict(raw: dict[str, Any]) -> RunConfig:
-    top = {k: v for k, v in raw.items() if k not in SECTIONS}
-    sections = {name: _build(cls, raw.get(name, {}) or {}, name) for name, cls in SECTIONS.items()}
-    for name in SECTIONS:
-        if name in raw and not isinstance(raw[name], dict):
-            raise ConfigError(f"[{name}] must be a table, got {raw[name]!r}")
-    base = _build(RunConfig, top, "top level")
-    return dataclasses.replace(base, **sections)
+    _require(isinstance(raw, dict), f"a run config must be a table, got {raw!r}")
+    sections: dict[str, Any] = {}
+    for name, cls in SECTIONS.items():
+        table = raw.get(name, {})
+        _require(isinstance(table, dict), f"{name} must be a table (the [{name}] section), got {table!r}")
+        sections[name] = _build(cls, table, name)
+    top = {key: value for key, value in raw.items() if key not in SECTIONS}
+    return _build(RunConfig, top | sections, "")  # type: ignore[no-any-return]
 
 
 def _parse_value(text: str) -> Any:

@@ -1,6 +1,6 @@
 """Client partitions: IID and Dirichlet label skew, a seeded hold-out split, and the K x C label-count matrix.
 
-Every function is a pure function of (labels, K, alpha, seed), so a node on another machine that
+Every split is a pure function of (labels, K, alpha, seed), so a node on another machine that
 holds the same public labels computes the same shard for itself without seeing anyone's data.
 """
 
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedsynth.config import DataConfig, RunConfig
+from fedsynth.data import load_labels
 from fedsynth.errors import ConfigError, DataError
 
 MAX_REDRAWS = 1_000  # each draw is cheap, but an infeasible setting must fail in seconds, not spin
@@ -18,6 +20,8 @@ def _check(num_clients: int, labels: np.ndarray, min_size: int) -> None:
         raise ConfigError(f"number of clients must be >= 1, got {num_clients}")
     if min_size < 0:
         raise ConfigError(f"min_size must be >= 0, got {min_size}")
+    if num_clients > len(labels):
+        raise DataError(f"{num_clients} clients exceed the {len(labels)} samples: some would have none")
     if num_clients * min_size > len(labels):
         raise DataError(f"{num_clients} clients x min_size {min_size} exceeds the {len(labels)} samples")
 
@@ -37,21 +41,22 @@ def dirichlet_partition(
         raise ConfigError(f"alpha must be > 0, got {alpha}")
     _check(num_clients, labels, min_size)
     rng = np.random.default_rng(seed)
-    classes = np.unique(labels)
+    by_class = [np.flatnonzero(labels == c) for c in np.unique(labels)]
     for _ in range(MAX_REDRAWS):
-        shards: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
-        for c in classes:
-            members = rng.permutation(np.flatnonzero(labels == c))
+        draws = []
+        sizes = np.zeros(num_clients, dtype=np.int64)
+        for indices in by_class:
+            members = rng.permutation(indices)
             p = rng.dirichlet(np.full(num_clients, alpha))
-            cuts = (np.cumsum(p)[:-1] * len(members)).astype(int)
-            for k, part in enumerate(np.split(members, cuts)):
-                shards[k].append(part)
-        parts = [np.sort(np.concatenate(s)) for s in shards]
-        if min(len(p) for p in parts) >= min_size:
-            return parts
+            cuts = np.clip((np.cumsum(p)[:-1] * len(members)).astype(int), 0, len(members))
+            sizes += np.diff(cuts, prepend=0, append=len(members))
+            draws.append((members, cuts))
+        if sizes.min() >= min_size:  # only a draw that is kept is cut into shards
+            shards = zip(*(np.split(members, cuts) for members, cuts in draws))
+            return [np.sort(np.concatenate(parts)) for parts in shards]
     raise DataError(
-        f"no Dirichlet draw gave every one of {num_clients} clients >= {min_size} samples "
-        f"in {MAX_REDRAWS} tries (alpha={alpha}); lower min_size or the number of clients"
+        f"no Dirichlet draw (alpha={alpha}) of {len(labels)} labels gave every one of {num_clients} clients >= {min_size} "
+        f"samples in {MAX_REDRAWS} tries; lower min_size or the number of clients, or raise alpha"
     )
 
 
@@ -95,3 +100,26 @@ def partition(
 def label_counts(labels: np.ndarray, parts: list[np.ndarray], num_classes: int) -> np.ndarray:
     """K x C matrix of label counts."""
     return np.stack([np.bincount(labels[idx], minlength=num_classes) for idx in parts]).astype(np.int64)
+
+
+def partition_for(d: DataConfig, seed: int, labels: np.ndarray) -> list[np.ndarray]:
+    """The partition a run's [data] section names; one it cannot give is a ConfigError naming the data.* keys."""
+    try:
+        return partition(labels, d.clients, scheme=d.partition, alpha=d.alpha, seed=seed, min_size=d.min_size,
+                         holdout_fraction=d.holdout_fraction)
+    except DataError as exc:
+        keys = [f"data.clients={d.clients}", f"data.min_size={d.min_size}"]
+        keys += [f"data.alpha={d.alpha}"] if d.partition == "dirichlet" else []
+        keys += [f"data.holdout_fraction={d.holdout_fraction}"] if d.holdout_fraction else []
+        raise ConfigError(f"{', '.join(keys)} ({d.dataset} training labels): {exc}") from exc
+
+
+def check_partition(cfg: RunConfig) -> None:
+    """Refuse, in seconds and before any process starts, a run whose data cannot be split as configured (labels
+    only); otherwise every client node would fail on its own, long after start."""
+    d = cfg.data
+    try:
+        labels = load_labels(d.dataset, "train", data_dir=d.data_dir, download=d.download)
+    except DataError as exc:
+        raise ConfigError(f"data.dataset={d.dataset!r} (data.data_dir={d.data_dir!r}): {exc}") from exc
+    partition_for(d, cfg.seed, labels)

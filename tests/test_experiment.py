@@ -118,7 +118,7 @@ def test_command_line_overrides_reach_base_or_experiment(tmp_path: Path) -> None
     cfg = experiment.arm_config(experiment.arms[0], 7, tmp_path)
     assert (cfg.train.rounds, cfg.train.lr, cfg.seed, experiment.base_seed) == (3, 0.2, 7, 4)  # the arm's set wins over --set
     assert experiment.settings.threshold == 0.9
-    with pytest.raises(ConfigError, match=r"\[base\]: top level.seed must be int, got 'x'"):
+    with pytest.raises(ConfigError, match=r"\[base\]: seed must be an integer, got 'x'"):
         load_experiment(spec, ["seed=x"])
 
 

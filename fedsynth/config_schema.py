@@ -1,0 +1,156 @@
+"""The config's checks: one typed check driven by each field's annotation, range rules, and the names keys choose from."""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+import typing
+from dataclasses import fields, is_dataclass
+from typing import Any, ClassVar
+
+from fedsynth.errors import ConfigError
+
+POLICIES = ("none", "fedeas", "uniform", "missing", "full")
+PARTITIONS = ("dirichlet", "iid")
+ACCOUNTANTS = ("rdp", "prv")
+# The role packages and torch-importing modules own the real tables; tests/test_config_validation.py keeps these
+# names equal to them, so reading a config imports neither.
+MODELS = ("cnn", "resnet18")  # fedsynth.models.MODELS
+GENERATOR_BACKENDS = ("ddpm", "holdout")  # generator_service.backends.BACKENDS; holdout: real held-out images
+GENERATOR_SIZES = ("tiny", "half", "ddpm-cifar")  # generator_service.ddpm.model.SIZES
+# fedsynth.algorithms: each algorithm's parameters, with the bound its own check enforces: (">=" or ">", limit)
+ALGORITHM_PARAMS: dict[str, dict[str, tuple[str, float]]] = {
+    "fedavg": {},
+    "fedprox": {"mu": (">=", 0)},
+    "scaffold": {"num_clients": (">=", 1), "global_lr": (">", 0)},
+    "moon": {"mu": (">=", 0), "temperature": (">", 0)},
+    "sdafl": {"lambda2": (">=", 0), "mixup_alpha": (">", 0)},
+}
+ALGORITHMS = tuple(ALGORITHM_PARAMS)
+MAX_PORT = 65535
+
+
+def _describe(hint: Any) -> str:
+    if _is_union(hint):
+        real = [option for option in typing.get_args(hint) if option is not type(None)]
+        optional = len(real) < len(typing.get_args(hint))
+        return " or ".join(_describe(option) for option in real) + (" (or left out)" if optional else "")
+    if typing.get_origin(hint) is dict or is_dataclass(hint):
+        return "a table"
+    return {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}[hint]
+
+
+def _is_union(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
+def check_value(key: str, value: Any, hint: Any) -> Any:
+    """`value` as the annotation `hint` wants it (an integer where a float is wanted becomes a float); else a
+    ConfigError naming `key`. bool is never taken for a number, and a float must be finite."""
+    if _is_union(hint):
+        if value is None and type(None) in typing.get_args(hint):
+            return None
+        for option in typing.get_args(hint):
+            if option is not type(None):
+                try:
+                    return check_value(key, value, option)
+                except ConfigError:
+                    pass
+    elif typing.get_origin(hint) is dict and isinstance(value, dict):
+        _, value_hint = typing.get_args(hint)
+        return {name: check_value(f"{key}.{name}", item, value_hint) for name, item in value.items()}
+    elif is_dataclass(hint) and isinstance(value, hint):
+        return value
+    elif hint is bool and isinstance(value, bool):
+        return value
+    elif hint is int and isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63:
+        return value  # TOML's integer range: JSON could carry more
+    elif hint is float and isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value):
+        return float(value)
+    elif hint is str and isinstance(value, str):
+        return value
+    raise ConfigError(f"{key} must be {_describe(hint)}, got {value!r}")
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+class Section:
+    """Base of the frozen config dataclasses: every field's type is checked (from its annotation) when one is made,
+    then the section's `check` applies its ranges. Errors name `section.key` and the value, in one line."""
+
+    SECTION: ClassVar[str] = ""  # "" at the top level, where keys have no prefix
+
+    def __post_init__(self) -> None:
+        hints = _hints(type(self))
+        for f in fields(self):  # type: ignore[arg-type]
+            object.__setattr__(self, f.name, check_value(self.key(f.name), getattr(self, f.name), hints[f.name]))
+        self.check()
+
+    def check(self) -> None:
+        """Ranges and choices of this section's keys; types are already right."""
+
+    def key(self, name: str) -> str:
+        return f"{self.SECTION}.{name}" if self.SECTION else name
+
+    def _fail(self, name: str, wanted: str) -> None:
+        raise ConfigError(f"{self.key(name)} must be {wanted}, got {getattr(self, name)!r}")
+
+    def at_least(self, low: float, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and value < low:
+                self._fail(name, f">= {low}")
+
+    def above(self, low: float, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and not value > low:
+                self._fail(name, f"> {low}")
+
+    def within(self, name: str, low: float, high: float, *, high_open: bool = False, low_open: bool = False) -> None:
+        value = getattr(self, name)
+        if (value <= low if low_open else value < low) or (value >= high if high_open else value > high):
+            self._fail(name, f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}")
+
+    def one_of(self, name: str, choices: tuple[str, ...]) -> None:
+        if getattr(self, name) not in choices:
+            self._fail(name, f"one of {', '.join(choices)}")
+
+    def non_empty(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                self._fail(name, "a non-empty string")
+
+    def address(self, name: str) -> None:
+        """HOST:PORT with a port in 1..65535 (None passes: the key is optional)."""
+        value = getattr(self, name)
+        if value is None:
+            return
+        host, _, port = value.rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= MAX_PORT:
+            self._fail(name, f"HOST:PORT with a port in 1..{MAX_PORT}")
+
+    def parameters_of(self, algorithm: str, name: str) -> None:
+        accepted = ALGORITHM_PARAMS[algorithm]
+        for param, value in getattr(self, name).items():
+            key = f"{self.key(name)}.{param}"
+            if param not in accepted:
+                raise ConfigError(f"{key}: algorithm {algorithm!r} has no parameter {param!r} "
+                                  f"(accepted: {', '.join(accepted) or 'none'})")
+            op, limit = accepted[param]
+            if not (value >= limit if op == ">=" else value > limit):
+                raise ConfigError(f"{key} must be {op} {limit} for {algorithm}, got {value!r}")
+            if param == "num_clients" and not isinstance(value, int):
+                raise ConfigError(f"{key} must be an integer, got {value!r}")

@@ -1,0 +1,347 @@
+"""Every config key typed and range-checked when read, data feasibility before start, one split per node process."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import random
+import re
+import string
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import fedsynth.assembly as assembly
+from fedsynth.config import SECTIONS, RunConfig, from_dict, from_json, load_config, to_json
+from fedsynth.config_schema import ALGORITHM_PARAMS, GENERATOR_BACKENDS, GENERATOR_SIZES, MODELS
+from fedsynth.data import DATASETS, load_labels
+from fedsynth.errors import ConfigError
+from fedsynth.partition import check_partition, partition
+
+# Every key: its kind (a trailing ? means it may be left out / null) and values of the right type that are out of
+# range or not a valid choice. Written out by hand, apart from the code under test, so that it can disagree with it.
+KEYS: dict[str, tuple[str, list[Any]]] = {
+    "name": ("str", ["", "   "]),
+    "seed": ("int", [-1, 2**32, -(2**40)]),
+    "out_dir": ("str", [""]),
+    "data.dataset": ("str", ["mnist", "DIGITS", ""]),
+    "data.data_dir": ("str?", [""]),
+    "data.download": ("bool", []),
+    "data.clients": ("int", [0, -3]),
+    "data.partition": ("str", ["pathological", ""]),
+    "data.alpha": ("float", [0, -0.1, 0.0]),
+    "data.min_size": ("int", [-1]),
+    "data.holdout_fraction": ("float", [-0.1, 1, 1.5]),
+    "train.model": ("str", ["resnet50", ""]),
+    "train.algorithm": ("str", ["sgd", "FedAvg", ""]),
+    "train.rounds": ("int", [0, -1]),
+    "train.fraction": ("float", [0, -0.5, 1.01]),
+    "train.lr": ("float", [0, -0.01]),
+    "train.momentum": ("float", [-0.1, 1, 2.5]),
+    "train.weight_decay": ("float", [-1e-4]),
+    "train.batch_size": ("int", [0, -64]),
+    "train.local_epochs": ("int", [0]),
+    "train.max_steps": ("int?", [-1]),
+    "train.augment": ("bool", []),
+    "train.eval_batch_size": ("int", [0]),
+    "train.algorithm_params": ("table", [{"mu": 0.1}, {"lr": 1}]),  # the default fedavg takes no parameter
+    "generation.policy": ("str", ["balanced", ""]),
+    "generation.beta": ("float", [0, -12]),
+    "generation.budget": ("int?", [-1]),
+    "generation.backend": ("str", ["gan", ""]),
+    "generation.model_dir": ("str?", [""]),
+    "generation.generator": ("str?", ["localhost", "host:0", "host:70000", ":50051", "host:port", ""]),
+    "generation.ddim_steps": ("int", [0, 1001]),
+    "generation.guidance": ("float", [-3, -0.001, 101]),
+    "generation.train_steps": ("int", [0]),
+    "generation.size": ("str", ["huge", "Tiny", ""]),
+    "runtime.host": ("str", [""]),
+    "runtime.coordinator_port": ("int", [-1, 65536]),
+    "runtime.round_timeout_s": ("float", [0, -1]),
+    "runtime.quorum": ("float", [0, 1.5]),
+    "runtime.registration_timeout_s": ("float", [0]),
+    "runtime.rejoin_grace_s": ("float", [-1, -0.5]),
+    "runtime.clients_per_process": ("int", [0]),
+    "runtime.torch_threads": ("int", [0]),
+    "runtime.heartbeat_s": ("float", [0]),
+    "runtime.heartbeat_timeout_s": ("float", [0, -1, 2.0]),  # 2.0: not above the default heartbeat_s
+    "runtime.tls_dir": ("str?", [""]),
+    "sdafl.samples_per_client": ("int", [0]),
+    "sdafl.tau": ("float", [-0.1, 1]),
+    "sdafl.lambda2": ("float", [-1]),
+    "sdafl.mixup_alpha": ("float", [0]),
+    "sdafl.gan_steps": ("int", [0]),
+    "sdafl.gan_batch_size": ("int", [0]),
+    "sdafl.gan_latent_dim": ("int", [0]),
+    "sdafl.gan_width": ("int", [0]),
+    "sdafl.gan_lr": ("float", [0]),
+    "sdafl.secure_noise": ("bool", []),
+    "sdafl.target_epsilon": ("float", [-1]),
+    "sdafl.noise_multiplier": ("float", [-0.5]),
+    "sdafl.delta": ("float", [-0.1, 1]),
+    "sdafl.max_grad_norm": ("float", [0]),
+    "sdafl.accountant": ("str", ["gdp", ""]),
+    "sdafl.server_steps": ("int", [-1]),
+    "sdafl.server_lr": ("float", [0]),
+    "sdafl.server_batch_size": ("int", [0]),
+    "sdafl.track_agreement": ("bool", []),
+}
+
+
+def raw_with(key: str, value: Any) -> dict[str, Any]:
+    section, _, leaf = key.rpartition(".")
+    return {section: {leaf: value}} if section else {key: value}
+
+
+def assert_names(key: str, exc: ConfigError) -> None:
+    message = str(exc)
+    assert "\n" not in message, f"{key}: a one-line message, got {message!r}"
+    assert re.search(rf"(^|[^\w.]){re.escape(key)}([^\w]|$)", message), f"{key!r} is not named in {message!r}"
+
+
+def wrong_type_values(kind: str, rng: random.Random, count: int = 12) -> list[Any]:
+    """Random values none of which has the kind's type (an int is a float, not the reverse; bool is never a number)."""
+    def word() -> str:
+        return "".join(rng.choice(string.ascii_letters + string.digits + " .-") for _ in range(rng.randint(0, 10)))
+
+    makers = {
+        "str": word,
+        "int": lambda: rng.randint(-(10**9), 10**9),
+        "fraction": lambda: rng.randint(-(10**6), 10**6) + rng.choice([0.5, 0.25, 0.001]),
+        "special": lambda: rng.choice([math.nan, math.inf, -math.inf]),
+        "bool": lambda: rng.choice([True, False]),
+        "list": lambda: [rng.randint(0, 9) for _ in range(rng.randint(0, 3))],
+        "table": lambda: {word(): rng.randint(0, 9)},
+        "none": lambda: None,
+    }
+    wrong = {
+        "int": ("str", "fraction", "special", "bool", "list", "table", "none"),
+        "float": ("str", "special", "bool", "list", "table", "none"),
+        "bool": ("str", "int", "fraction", "special", "list", "table", "none"),
+        "str": ("int", "fraction", "special", "bool", "list", "table", "none"),
+        "table": ("str", "int", "fraction", "special", "bool", "list", "none"),
+    }[kind.rstrip("?")]
+    if kind.endswith("?"):
+        wrong = tuple(name for name in wrong if name != "none")
+    return [makers[rng.choice(wrong)]() for _ in range(count)]
+
+
+def all_config_keys() -> set[str]:
+    top = {f.name for f in dataclasses.fields(RunConfig) if f.name not in SECTIONS}
+    return top | {f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+
+
+def test_the_table_names_every_key_of_every_section() -> None:
+    assert set(KEYS) == all_config_keys()
+
+
+@pytest.mark.parametrize("key", sorted(KEYS))
+def test_wrong_types_are_a_config_error_naming_the_key(key: str) -> None:
+    rng = random.Random(f"wrong-type {key}")  # fixed: the same random values on every run
+    for value in wrong_type_values(KEYS[key][0], rng):
+        with pytest.raises(ConfigError) as err:  # any other exception fails the test
+            from_dict(raw_with(key, value))
+        assert_names(key, err.value)
+
+
+@pytest.mark.parametrize("section", sorted(SECTIONS))
+def test_a_section_that_is_not_a_table_is_named(section: str) -> None:
+    for value in wrong_type_values("table", random.Random(section)):
+        with pytest.raises(ConfigError) as err:
+            from_dict({section: value})
+        assert_names(section, err.value)
+
+
+@pytest.mark.parametrize("key", sorted(key for key, (_, bad) in KEYS.items() if bad))
+def test_out_of_range_values_are_a_config_error_naming_the_key(key: str) -> None:
+    for value in KEYS[key][1]:
+        with pytest.raises(ConfigError) as err:
+            from_dict(raw_with(key, value))
+        assert_names(key, err.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("data.alpha", 1e-9), ("data.holdout_fraction", 0), ("runtime.quorum", 1), ("runtime.coordinator_port", 65535),
+     ("runtime.rejoin_grace_s", 0), ("generation.guidance", 0), ("generation.generator", "[::1]:50051"),
+     ("generation.budget", 0), ("train.max_steps", 0), ("seed", 2**32 - 1), ("sdafl.target_epsilon", 0),
+     ("generation.size", "ddpm-cifar"), ("train.model", "resnet18"), ("data.dataset", "cifar100")],
+)
+def test_values_at_the_edges_are_accepted(key: str, value: Any) -> None:
+    cfg = from_dict(raw_with(key, value))
+    section, _, leaf = key.rpartition(".")
+    assert getattr(getattr(cfg, section) if section else cfg, leaf) == value
+
+
+def test_an_integer_for_a_float_key_is_read_as_a_float_and_survives_json() -> None:
+    cfg = from_dict({"data": {"alpha": 1}, "train": {"algorithm": "scaffold", "algorithm_params": {"num_clients": 4}}})
+    assert isinstance(cfg.data.alpha, float)
+    assert cfg.train.algorithm_params == {"num_clients": 4} and isinstance(cfg.train.algorithm_params["num_clients"], int)
+    assert from_json(to_json(cfg)) == cfg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [(["data=5"], "data"), (["data.clients=abc"], "data.clients"), (["train.rounds=1.5"], "train.rounds"),
+     (["foo.bar=1"], "foo"), (["foo=1"], "foo"), (["data.foo=1"], "data.foo"), (["generation.size=huge"], "generation.size"),
+     (['generation.size="huge"'], "generation.size"), (["generation.guidance=-3"], "generation.guidance"),
+     (["runtime.rejoin_grace_s=-1"], "runtime.rejoin_grace_s"), (["train.algorithm_params=5"], "train.algorithm_params"),
+     (["train.algorithm=fedprox", "train.algorithm_params.mu=nan"], "train.algorithm_params.mu"),
+     (["train.algorithm=moon", "train.algorithm_params.temperature=0"], "train.algorithm_params.temperature"),
+     (["train.algorithm=fedprox", "train.algorithm_params.temp=1"], "train.algorithm_params.temp"),
+     (["train.algorithm=scaffold", "train.algorithm_params.num_clients=2.5"], "train.algorithm_params.num_clients"),
+     (["data.alpha=inf"], "data.alpha"), (["data.clients=3", "data.clients.x=1"], "clients")],
+)
+def test_bad_overrides_name_the_key(overrides: list[str], key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert_names(key, err.value)
+
+
+def test_a_bad_key_in_a_file_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('[generation]\nsize = "huge"\n')
+    with pytest.raises(ConfigError, match=r"^generation.size must be one of tiny, half, ddpm-cifar, got 'huge'$"):
+        load_config(path)
+    path.write_text("data = 5\n")
+    with pytest.raises(ConfigError, match=r"^data must be a table"):
+        load_config(path)
+
+
+def test_algorithm_parameter_bounds_agree_with_the_algorithms() -> None:
+    from fedsynth.algorithms import ALGORITHMS, get_algorithm
+
+    assert set(ALGORITHM_PARAMS) == set(ALGORITHMS)
+    for name, params in ALGORITHM_PARAMS.items():
+        assert set(params) == {f.name for f in dataclasses.fields(ALGORITHMS[name])}, name
+        for param, (op, limit) in params.items():
+            base = {"num_clients": 3} if name == "scaffold" else {}
+            bad = limit if op == ">" else limit - 1
+            good = limit + 1 if op == ">" else limit
+            for value, ok in ((bad, False), (good, True)):
+                raw = {"train": {"algorithm": name, "algorithm_params": {**base, param: value}}}
+                if ok:
+                    from_dict(raw)
+                    get_algorithm(name, **{**base, param: value})
+                    continue
+                with pytest.raises(ConfigError):
+                    from_dict(raw)
+                with pytest.raises(ConfigError):
+                    get_algorithm(name, **{**base, param: value})
+
+
+def test_the_choices_are_the_ones_the_roles_serve() -> None:
+    from fedsynth.models import MODELS as REAL_MODELS
+    from generator_service.backends import BACKENDS
+    from generator_service.ddpm.model import SIZES
+
+    assert (MODELS, GENERATOR_BACKENDS, GENERATOR_SIZES) == (REAL_MODELS, tuple(BACKENDS), tuple(SIZES))
+    assert set(DATASETS) >= {"digits", "cifar10"}
+
+
+# ---- data feasibility before start ---------------------------------------------------------------------------------
+
+def test_an_impossible_dirichlet_split_is_a_config_error_naming_the_keys() -> None:
+    cfg = load_config(None, ["data.clients=100", "data.min_size=5"])
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        check_partition(cfg)
+    assert time.monotonic() - started < 30
+    for named in ("data.clients=100", "data.alpha=0.1", "data.min_size=5", "digits", "1438 labels"):
+        assert named in str(err.value)
+    check_partition(load_config(None, ["data.clients=100", "data.min_size=5", "data.partition=iid"]))
+
+
+@pytest.mark.parametrize(("clients", "min_size", "seed", "digest"),
+                         [(10, 10, 0, "eaeb71e3d25881c0"), (30, 10, 2, "48912511e1da6f4b")])
+def test_the_split_is_the_one_earlier_versions_drew(clients: int, min_size: int, seed: int, digest: str) -> None:
+    """Pinned from the version before the redraw loop stopped cutting rejected draws into shards: same shards."""
+    parts = partition(load_labels("digits"), clients, alpha=0.1, seed=seed, min_size=min_size)
+    joined = b"".join(np.asarray(p, dtype=np.int64).tobytes() + b"|" for p in parts)
+    assert hashlib.sha256(joined).hexdigest()[:16] == digest
+
+
+# ---- one split per node process -------------------------------------------------------------------------------------
+
+def _shards_from_threads(cfg: RunConfig, clients: list[int], monkeypatch: pytest.MonkeyPatch) -> tuple[int, list[Any]]:
+    calls = []
+    real = assembly.partition_for
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        time.sleep(0.2)  # long enough that every thread asks while the first split is still running
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(assembly, "partition_for", counting)
+    assembly._load_and_split.cache_clear()
+    barrier = threading.Barrier(len(clients))
+    results: list[Any] = [None] * len(clients)
+
+    def one(i: int) -> None:
+        barrier.wait()
+        try:
+            results[i] = assembly.client_shard(cfg, clients[i])
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(clients))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assembly._load_and_split.cache_clear()
+    return len(calls), results
+
+
+def test_a_node_splits_once_for_all_its_logical_clients(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = load_config(None, ["data.clients=6"])
+    calls, shards = _shards_from_threads(cfg, list(range(6)), monkeypatch)
+    assert calls == 1
+    sizes = [len(shard.y) for shard in shards]
+    assert sum(sizes) == len(load_labels("digits")) and min(sizes) >= cfg.data.min_size
+
+
+def test_a_failed_split_is_not_redone_for_each_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = load_config(None, ["data.clients=100", "data.min_size=5"])
+    calls, errors = _shards_from_threads(cfg, [0, 1, 2, 3], monkeypatch)
+    assert calls == 1
+    assert all(isinstance(e, ConfigError) and "data.clients=100" in str(e) for e in errors)
+    assert len({id(e) for e in errors}) == len(errors)
+
+
+# ---- the CLI contract: exit 1 before any process starts, one line naming the key ------------------------------------
+
+def fedsynth_script() -> str:
+    return str(Path(sys.executable).parent / "fedsynth")
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [("data=5", "data"), ('generation.size="huge"', "generation.size"), ("data.clients=100", "data.clients=100")],
+)
+def test_run_refuses_a_bad_config_before_starting_anything(tmp_path: Path, override: str, key: str) -> None:
+    out = tmp_path / "run"
+    started = time.monotonic()
+    result = subprocess.run([fedsynth_script(), "run", "--set", override, "--out-dir", str(out), "--no-progress"],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fedsynth run: error: ") and key in lines[0], result.stderr
+    assert not any(tmp_path.iterdir()), "nothing may be written (no logs/, no port files) before the config is accepted"
+    assert elapsed < 60, f"took {elapsed:.1f}s"
+
+
+@pytest.mark.parametrize("scheme", ["dirichlet", "iid"])
+def test_more_clients_than_samples_is_refused_before_any_split(scheme: str) -> None:
+    cfg = load_config(None, ["data.clients=1000000000", "data.min_size=0", f"data.partition={scheme}"])
+    with pytest.raises(ConfigError, match=r"^data.clients=1000000000, data.min_size=0.*exceed the 1438 samples"):
+        check_partition(cfg)

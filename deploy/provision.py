@@ -86,6 +86,9 @@ def make_leaf(node: Node, ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Cert
     if node.role in SERVER_ROLES:
         names += hosts
         usage = [ExtendedKeyUsageOID.SERVER_AUTH]
+    elif hosts:  # a client certificate given --client-hosts also serves its node's /metrics over HTTPS
+        names += hosts
+        usage.append(ExtendedKeyUsageOID.SERVER_AUTH)
     not_after = min(now + dt.timedelta(days=days), ca_cert.not_valid_after_utc)
     cert = (
         x509.CertificateBuilder()
@@ -133,14 +136,15 @@ def _entry(node_id: str, role: str, cert: x509.Certificate) -> dict[str, object]
 
 
 def provision(out: Path, clients: int, *, coordinator_hosts: str | None = None, generator_hosts: str | None = None,
-              days: int = 365, force: bool = False) -> dict[str, object]:
+              client_hosts: str | None = None, days: int = 365, force: bool = False) -> dict[str, object]:
     """Write the CA and every node's pair into `out`; returns the index (also written as out/index.json)."""
     if clients < 1:
         raise ConfigError(f"--clients must be >= 1, got {clients}")
     if days < 1:
         raise ConfigError(f"--days must be >= 1, got {days}")
     hosts = {"coordinator": parse_hosts("--coordinator-hosts", coordinator_hosts),
-             "generator": parse_hosts("--generator-hosts", generator_hosts)}
+             "generator": parse_hosts("--generator-hosts", generator_hosts),
+             "client": [] if client_hosts is None else parse_hosts("--client-hosts", client_hosts)}
     if (out / "ca.pem").exists() and not force:
         raise ConfigError(f"{out / 'ca.pem'} exists: refusing to replace the CA (every certificate it signed would stop "
                           "working); pass --force to replace it")
@@ -182,13 +186,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coordinator-hosts", metavar="HOST,IP", help="extra DNS/IP names of the coordinator's certificate "
                         "(localhost and 127.0.0.1 are always in it)")
     parser.add_argument("--generator-hosts", metavar="HOST,IP", help="extra DNS/IP names of the generator's certificate")
+    parser.add_argument("--client-hosts", metavar="HOST,IP", help="make client certificates server certificates too, "
+                        "for HTTPS /metrics: these names plus localhost and 127.0.0.1 (default: clientAuth only, no names)")
     parser.add_argument("--days", type=int, default=365, help="validity of the CA and every certificate (default %(default)s)")
     parser.add_argument("--force", action="store_true", help="replace an existing CA (and every pair it signed)")
 
 
 def run(args: argparse.Namespace) -> int:
     index = provision(args.out, args.clients, coordinator_hosts=args.coordinator_hosts,
-                      generator_hosts=args.generator_hosts, days=args.days, force=args.force)
+                      generator_hosts=args.generator_hosts, client_hosts=args.client_hosts, days=args.days, force=args.force)
     nodes = index["nodes"]
     assert isinstance(nodes, list)
     print(f"wrote a CA and {len(nodes)} certificates ({', '.join(n['node_id'] for n in nodes[:4])}"

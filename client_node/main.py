@@ -14,8 +14,8 @@ from client_node.metrics import ClientMetrics
 from client_node.node import NodeOptions, run_clients
 from fedsynth import tls
 from fedsynth.errors import ConfigError
-from fedsynth.metrics import serve_metrics
-from fedsynth.runtime import setup_logging, write_atomic
+from fedsynth.metrics import add_metrics_arguments, serve_metrics_from_args
+from fedsynth.runtime import setup_logging
 
 log = logging.getLogger("client")
 
@@ -49,8 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", default="fedsynth-cache", help="folder of the persistent synthetic-image cache")
     parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of this process")
     parser.add_argument("--reconnect-timeout", type=float, default=300.0, help="give up after the coordinator is unreachable this long (s)")
-    parser.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port; 0 picks a free one, -1 disables")
-    parser.add_argument("--metrics-port-file", help="write the bound metrics port to this file")
+    add_metrics_arguments(parser)
     parser.add_argument("--log-level", default="INFO")
     tls.add_tls_arguments(parser, server=False)
 
@@ -80,9 +79,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--torch-threads must be >= 1, got {args.torch_threads}")
     torch.set_num_threads(args.torch_threads)
     options = node_options(args, ids)
-    port = serve_metrics(args.metrics_port)
-    if port is not None and args.metrics_port_file:
-        write_atomic(Path(args.metrics_port_file), str(port))
+    serve_metrics_from_args(args, tls.tls_files_from_args(args, f"client-{ids[0]}"))  # HTTPS with the first client's pair
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -15,7 +15,7 @@ from coordinator.server import create_server
 from fedsynth import grpcutil, tls
 from fedsynth.config import load_config
 from fedsynth.errors import QuorumError
-from fedsynth.metrics import serve_metrics
+from fedsynth.metrics import add_metrics_arguments, serve_metrics_from_args
 from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_OK, setup_logging, write_atomic, write_json
 
 log = logging.getLogger("coordinator")
@@ -28,8 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=None, help="address to bind (default: the config's runtime.host with TLS; 127.0.0.1 with --insecure)")
     parser.add_argument("--port", type=int, default=None, help="port to bind; 0 picks a free one (default: runtime.coordinator_port)")
     parser.add_argument("--port-file", help="write the bound port to this file once serving")
-    parser.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port; 0 picks a free one, -1 disables")
-    parser.add_argument("--metrics-port-file", help="write the bound metrics port to this file")
+    add_metrics_arguments(parser)
     parser.add_argument("--log-level", default="INFO")
     tls.add_tls_arguments(parser, server=True)
 
@@ -43,9 +42,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir or cfg.out_dir)
     host = security.bind_host(args.host, cfg.runtime.host)
     port = cfg.runtime.coordinator_port if args.port is None else args.port
-    metrics_port = serve_metrics(args.metrics_port)
-    if metrics_port is not None and args.metrics_port_file:
-        write_atomic(Path(args.metrics_port_file), str(metrics_port))
+    serve_metrics_from_args(args, security.files, security.revoked)
     coordinator, bound = create_server(cfg, out_dir=out_dir, host=host, port=port, security=security,
                                        metrics=CoordinatorMetrics())
     federation = coordinator.federation

@@ -1,23 +1,179 @@
-"""Prometheus helpers shared by every process: the /metrics endpoint and the common bucket layouts."""
+"""Prometheus helpers shared by every process: the /metrics endpoint (HTTP, or HTTPS with mutual TLS) and bucket layouts."""
 
 from __future__ import annotations
 
+import argparse
 import logging
+import socket
+import ssl
+import threading
+from pathlib import Path
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import start_http_server
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
+from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
+
+from fedsynth.errors import ConfigError
+from fedsynth.runtime import write_atomic
+from fedsynth.tls import LOOPBACK, AuthenticationError, RevocationList, TLSFiles, identity_of, is_loopback
 
 log = logging.getLogger(__name__)
 
 # Seconds, from a fast RPC to a full local-training round on a CPU.
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+# A connection must finish its TLS handshake (and then its request) within this; Prometheus's scrape timeout is 10 s.
+HANDSHAKE_TIMEOUT_S = 10.0
 
 
-def serve_metrics(port: int, host: str = "127.0.0.1") -> int | None:
-    """Serve /metrics on host:port (0 picks a free port; a negative port disables it); return the bound port."""
+def add_metrics_arguments(parser: argparse.ArgumentParser, *, default_port: int = -1) -> None:
+    group = parser.add_argument_group("Prometheus /metrics (HTTPS with this node's certificate when it runs with mutual TLS)")
+    group.add_argument("--metrics-port", type=int, default=default_port,
+                       help="/metrics port; 0 picks a free one, -1 disables (default %(default)s)")
+    group.add_argument("--metrics-port-file", type=Path, help="write the bound metrics port to this file (atomically)")
+    group.add_argument("--metrics-host", default=LOOPBACK, help="address /metrics listens on; this machine's address "
+                       "or 0.0.0.0 for a Prometheus on another machine (default %(default)s)")
+    group.add_argument("--metrics-insecure", action="store_true", help="serve /metrics as plain HTTP, unauthenticated, "
+                       "even with --tls-dir; needed for a non-loopback --metrics-host without TLS")
+
+
+def serves_https(files: TLSFiles) -> bool:
+    """Whether the certificate may act as a TLS server's (extended key usage serverAuth, or no restriction)."""
+    cert = x509.load_pem_x509_certificate(Path(files.cert).read_bytes())
+    try:
+        usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return True
+    return ExtendedKeyUsageOID.SERVER_AUTH in usages
+
+
+def choose_metrics_tls(port: int, host: str, insecure: bool, files: TLSFiles | None) -> TLSFiles | None:
+    """The files /metrics serves HTTPS with (the node's own), or None for plain HTTP; plain HTTP off loopback needs
+    --metrics-insecure. Raises ConfigError before anything is bound."""
     if port < 0:
         return None
-    server, _thread = start_http_server(port, addr=host)
-    bound = int(server.server_port)
-    log.info("metrics on http://%s:%d/metrics", host, bound)
-    return bound
+    if port > 65535:
+        raise ConfigError(f"--metrics-port must be in -1..65535, got {port}")
+    if files is not None and not insecure and serves_https(files):
+        return files
+    if not insecure and not is_loopback(host):
+        if files is None:
+            raise ConfigError(f"--metrics-host {host} is not loopback and /metrics would be plain HTTP: run with "
+                              "--tls-dir (then /metrics is HTTPS, client certificate required) or pass --metrics-insecure")
+        raise ConfigError(f"--metrics-host {host} is not loopback but certificate {files.cert} is for TLS clients only, so "
+                          "/metrics cannot be HTTPS: provision with `fedsynth deploy provision --client-hosts HOST` or pass "
+                          "--metrics-insecure")
+    if insecure and not is_loopback(host):
+        log.warning("plain HTTP /metrics on %s (--metrics-insecure): anyone who reaches it reads the metrics", host)
+    elif files is not None and not insecure:
+        log.info("certificate %s is for TLS clients only: /metrics stays plain HTTP on %s", files.cert, host)
+    return None
+
+
+def server_context(files: TLSFiles) -> ssl.SSLContext:
+    """TLS >= 1.2, the node's own pair, and a client certificate signed by the provisioned CA required."""
+    files.load()  # one-line errors naming a missing, unreadable or mismatched file
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.load_verify_locations(cafile=str(files.ca))
+    context.load_cert_chain(str(files.cert), str(files.key))
+    return context
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+        pass  # one line per scrape would drown the process's log
+
+
+class MetricsHTTPServer(ThreadingMixIn, WSGIServer):
+    """prometheus_client's WSGI app on a threading server. With TLS, the handshake runs in the connection's own thread
+    (prometheus_client's start_http_server does it in the accept loop, where one idle connection stalls every scrape),
+    and the peer must hold a fedsynth node identity that is not revoked (else 403)."""
+
+    daemon_threads = True
+
+    def __init__(self, host: str, port: int, registry: CollectorRegistry, context: ssl.SSLContext | None,
+                 revoked: RevocationList | None) -> None:
+        try:
+            self.address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        except socket.gaierror as exc:
+            raise ConfigError(f"--metrics-host {host!r} does not resolve ({exc.strerror})") from None
+        self.context = context
+        self.revoked = revoked
+        try:
+            super().__init__((host, port), _QuietHandler)
+        except OSError as exc:
+            raise ConfigError(f"cannot serve /metrics on {host}:{port}: {exc.strerror}") from None
+        self.set_app(make_wsgi_app(registry))
+
+    def process_request_thread(self, request: socket.socket, client_address: tuple[str, int]) -> None:  # type: ignore[override]
+        if self.context is not None:
+            secured = self._handshake(request, client_address)
+            if secured is None:
+                return
+            request = secured
+        super().process_request_thread(request, client_address)
+
+    def _handshake(self, raw: socket.socket, address: tuple[str, int]) -> ssl.SSLSocket | None:
+        assert self.context is not None
+        raw.settimeout(HANDSHAKE_TIMEOUT_S)
+        try:
+            conn = self.context.wrap_socket(raw, server_side=True)
+        except (OSError, ValueError) as exc:  # no client certificate, another CA, plain HTTP, a timeout
+            log.debug("/metrics handshake with %s failed: %s", address[0], exc)
+            self.shutdown_request(raw)
+            return None
+        reason = self._refusal(conn)
+        if reason is None:
+            return conn
+        log.warning("/metrics refused %s: %s", address[0], reason)
+        body = reason.encode()
+        try:
+            conn.sendall(b"HTTP/1.0 403 Forbidden\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                         b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        except OSError:
+            pass
+        self.shutdown_request(conn)
+        return None
+
+    def _refusal(self, conn: ssl.SSLSocket) -> str | None:
+        der = conn.getpeercert(binary_form=True)
+        if der is None:
+            return "the peer presented no client certificate"
+        try:
+            peer = identity_of(x509.load_der_x509_certificate(der))
+        except AuthenticationError as exc:
+            return str(exc)
+        return None if self.revoked is None else self.revoked.reason(peer)
+
+
+def serve_metrics(port: int, host: str = LOOPBACK, *, tls: TLSFiles | None = None, revoked: RevocationList | None = None,
+                  registry: CollectorRegistry = REGISTRY) -> MetricsHTTPServer | None:
+    """Serve /metrics on host:port (0 picks a free port; a negative port disables it), HTTPS when `tls` is given;
+    returns the running server (.server_port, .shutdown(), .server_close()). Callers choose `tls` with
+    choose_metrics_tls, which refuses plain HTTP off loopback."""
+    if port < 0:
+        return None
+    server = MetricsHTTPServer(host, port, registry, None if tls is None else server_context(tls), revoked)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    scheme = "http" if tls is None else "https"
+    log.info("metrics on %s://%s:%d/metrics%s", scheme, host, server.server_port,
+             "" if tls is None else " (client certificate from the CA required)")
+    return server
+
+
+def serve_metrics_from_args(args: argparse.Namespace, files: TLSFiles | None, revoked: RevocationList | None = None,
+                            registry: CollectorRegistry = REGISTRY) -> int | None:
+    """What every role calls with its add_metrics_arguments flags and its own TLS files: serve, write the port file,
+    return the bound port (None when disabled)."""
+    tls = choose_metrics_tls(args.metrics_port, args.metrics_host, args.metrics_insecure, files)
+    server = serve_metrics(args.metrics_port, args.metrics_host, tls=tls, revoked=revoked, registry=registry)
+    if server is None:
+        return None
+    port = int(server.server_port)
+    if args.metrics_port_file is not None:
+        write_atomic(Path(args.metrics_port_file), f"{port}\n")
+    return port

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from wsgiref.simple_server import WSGIServer
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
-
-from fedsynth.metrics import DURATION_BUCKETS, SIZE_BUCKETS
+from fedsynth.metrics import DURATION_BUCKETS, SIZE_BUCKETS, MetricsHTTPServer, serve_metrics
+from fedsynth.tls import RevocationList, TLSFiles
 
 # Images per request reach the tens of thousands (a client's whole synthetic budget in one call).
 REQUEST_IMAGE_BUCKETS = SIZE_BUCKETS + (16384, 65536)
@@ -38,9 +37,7 @@ class GeneratorMetrics:
         self.info = Info("fedsynth_generator", "The served model", registry=r)
 
 
-def serve_registry(port: int, registry: CollectorRegistry, host: str = "127.0.0.1") -> WSGIServer | None:
-    """Like fedsynth.metrics.serve_metrics but for a given registry and stoppable (.shutdown()); port < 0: none."""
-    if port < 0:
-        return None
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return server
+def serve_registry(port: int, registry: CollectorRegistry, host: str = "127.0.0.1", tls: TLSFiles | None = None,
+                   revoked: RevocationList | None = None) -> MetricsHTTPServer | None:
+    """fedsynth.metrics.serve_metrics for a given registry (HTTPS when `tls` is given); stoppable (.shutdown()); port < 0: none."""
+    return serve_metrics(port, host, tls=tls, revoked=revoked, registry=registry)

@@ -14,6 +14,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from fedsynth import grpcutil, tls
 from fedsynth.data import DATASETS
 from fedsynth.errors import ConfigError
+from fedsynth.metrics import add_metrics_arguments, choose_metrics_tls
 from fedsynth.runtime import write_atomic
 from fedsynth.strict_decoding import add_strictly
 from fedsynth.v1 import generator_pb2_grpc
@@ -50,6 +51,8 @@ class ServeConfig:
     port: int = 0
     port_file: Path | None = None
     metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
+    metrics_insecure: bool = False  # plain HTTP /metrics even when the server runs with mutual TLS
     max_batch: int = 64
     max_wait_ms: float = 20.0
     max_request_images: int = 100_000
@@ -104,6 +107,8 @@ class GeneratorServer:
         backend = get_backend(config.backend)
         if backend.check is not None:
             backend.check(config)  # fail fast (e.g. a wrong model folder), before binding anything
+        self.metrics_tls = choose_metrics_tls(config.metrics_port, config.metrics_host, config.metrics_insecure,
+                                              self.security.files)  # refuses plain HTTP off loopback, before binding
         self.metrics = GeneratorMetrics(registry)
         self.server = grpcutil.make_server(max_workers=config.max_concurrent_rpcs + 8,
                                            max_concurrent_rpcs=config.max_concurrent_rpcs)
@@ -118,7 +123,8 @@ class GeneratorServer:
     def start(self) -> int:
         self.port = grpcutil.bind(self.server, f"{self.config.host}:{self.config.port}", self.security.credentials())
         self.server.start()
-        self._metrics_http = serve_registry(self.config.metrics_port, self.metrics.registry)
+        self._metrics_http = serve_registry(self.config.metrics_port, self.metrics.registry, self.config.metrics_host,
+                                            self.metrics_tls, self.security.revoked)
         self.metrics_port = None if self._metrics_http is None else int(self._metrics_http.server_port)
         return self.port
 
@@ -169,9 +175,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=d.host, help="address to listen on; 0.0.0.0 for other machines (default %(default)s)")
     parser.add_argument("--port", type=int, default=d.port, help="gRPC port, 0 picks a free one (default %(default)s)")
     parser.add_argument("--port-file", type=Path, default=None, help="write the bound gRPC port here (atomically)")
-    parser.add_argument("--metrics-port", type=int, default=d.metrics_port,
-                        help="Prometheus /metrics port, 0 picks a free one, -1 disables (default %(default)s)")
-    parser.add_argument("--metrics-port-file", type=Path, default=None, help="write the bound metrics port here (atomically)")
+    add_metrics_arguments(parser, default_port=d.metrics_port)
     parser.add_argument("--max-batch", type=int, default=d.max_batch,
                         help="images per sampling batch; a ddpm UNet always runs on this many rows (default %(default)s)")
     parser.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms,
@@ -197,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
     config = ServeConfig(
         model=args.model, backend=args.backend, dataset=args.dataset, data_dir=args.data_dir,
         holdout_fraction=args.holdout_fraction, seed=args.seed, host=security.bind_host(args.host), port=args.port, port_file=args.port_file, metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host, metrics_insecure=args.metrics_insecure,
         max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_request_images=args.max_request_images,
         max_concurrent_rpcs=args.max_concurrent_rpcs, queue_limit=args.queue_limit, device=args.device,
         ddim_steps=args.ddim_steps, guidance=args.guidance, threads=args.threads, grace_s=args.grace,

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 from fedsynth.config_schema import (
     ACCOUNTANTS,
+    ALGORITHM_PARAMS,
     ALGORITHMS,
     GENERATOR_BACKENDS,
     GENERATOR_SIZES,
@@ -137,8 +138,10 @@ class SdaflConfig(Section):
         self.at_least(1, "samples_per_client", "gan_steps", "gan_batch_size", "gan_latent_dim", "gan_width",
                       "server_batch_size")
         self.within("tau", 0, 1, high_open=True)
-        self.at_least(0, "lambda2", "target_epsilon", "noise_multiplier", "server_steps")
-        self.above(0, "mixup_alpha", "gan_lr", "max_grad_norm", "server_lr")
+        self.at_least(0, "target_epsilon", "noise_multiplier", "server_steps")
+        self.above(0, "gan_lr", "max_grad_norm", "server_lr")
+        for name in ("lambda2", "mixup_alpha"):  # the sdafl algorithm's parameters: its bounds
+            self.bounded(name, ALGORITHM_PARAMS["sdafl"][name])
         self.within("delta", 0, 1, high_open=True)
         self.one_of("accountant", ACCOUNTANTS)
 

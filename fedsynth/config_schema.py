@@ -1,4 +1,10 @@
-"""The config's checks: one typed check driven by each field's annotation, range rules, and the names keys choose from."""
+"""The config's checks: one typed check driven by each field's annotation, range rules, and the names keys choose from.
+
+The names and each algorithm's parameter bounds are defined HERE and nowhere else: the tables that serve them
+(fedsynth.models' builders, fedsynth.algorithms.ALGORITHMS, generator_service.backends.BACKENDS,
+generator_service.ddpm.model.SIZES, ...) import them and check their keys with `require_names` when imported.
+This module imports neither torch nor a role package, so reading a config loads neither.
+"""
 
 from __future__ import annotations
 
@@ -6,28 +12,67 @@ import functools
 import math
 import types
 import typing
-from dataclasses import fields, is_dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, ClassVar
 
 from fedsynth.errors import ConfigError
 
-POLICIES = ("none", "fedeas", "uniform", "missing", "full")
-PARTITIONS = ("dirichlet", "iid")
-ACCOUNTANTS = ("rdp", "prv")
-# The role packages and torch-importing modules own the real tables; tests/test_config_validation.py keeps these
-# names equal to them, so reading a config imports neither.
-MODELS = ("cnn", "resnet18")  # fedsynth.models.MODELS
-GENERATOR_BACKENDS = ("ddpm", "holdout")  # generator_service.backends.BACKENDS; holdout: real held-out images
+POLICIES = ("none", "fedeas", "uniform", "missing", "full")  # fedsynth.allocation
+PARTITIONS = ("dirichlet", "iid")  # fedsynth.partition
+ACCOUNTANTS = ("rdp", "prv")  # generator_service.dpgan (Opacus accountants)
+MODELS = ("cnn", "resnet18")  # fedsynth.models.build_model
+GENERATOR_BACKENDS = ("ddpm", "holdout")  # generator_service.backends; holdout: real held-out images
 GENERATOR_SIZES = ("tiny", "half", "ddpm-cifar")  # generator_service.ddpm.model.SIZES
-# fedsynth.algorithms: each algorithm's parameters, with the bound its own check enforces: (">=" or ">", limit)
-ALGORITHM_PARAMS: dict[str, dict[str, tuple[str, float]]] = {
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The values one algorithm parameter takes: a finite number (an integer if `integer`) >= low, or > low if
+    `strict`. bool is never a number."""
+
+    low: float
+    strict: bool = False
+    integer: bool = False
+
+    def accepts(self, value: object) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        if isinstance(value, float) and (self.integer or not math.isfinite(value)):
+            return False
+        return value > self.low if self.strict else value >= self.low
+
+    def __str__(self) -> str:
+        return f"{'an integer' if self.integer else 'a finite number'} {'>' if self.strict else '>='} {self.low}"
+
+
+# Each algorithm's parameters (the fields of its dataclass in fedsynth.algorithms, in order) and their bounds: the
+# config check and the algorithm's own check both read them. The defaults stay in the dataclasses.
+ALGORITHM_PARAMS: dict[str, dict[str, Bound]] = {
     "fedavg": {},
-    "fedprox": {"mu": (">=", 0)},
-    "scaffold": {"num_clients": (">=", 1), "global_lr": (">", 0)},
-    "moon": {"mu": (">=", 0), "temperature": (">", 0)},
-    "sdafl": {"lambda2": (">=", 0), "mixup_alpha": (">", 0)},
+    "fedprox": {"mu": Bound(0)},
+    "scaffold": {"num_clients": Bound(1, integer=True), "global_lr": Bound(0, strict=True)},
+    "moon": {"mu": Bound(0), "temperature": Bound(0, strict=True)},
+    "sdafl": {"lambda2": Bound(0), "mixup_alpha": Bound(0, strict=True)},
 }
 ALGORITHMS = tuple(ALGORITHM_PARAMS)
+
+
+def check_parameter(algorithm: str, param: str, value: object, *, key: str) -> None:
+    """ConfigError naming `key` unless `value` is within the bound of `algorithm`'s parameter `param`."""
+    bound = ALGORITHM_PARAMS[algorithm][param]
+    if not bound.accepts(value):
+        raise ConfigError(f"{key} must be {bound} for {algorithm}, got {value!r}")
+
+
+def require_names(table: str, keys: Iterable[str], names: tuple[str, ...]) -> None:
+    """For a table keyed by names defined here, called when its module is imported: its keys must be `names`, in
+    order (a mismatch is a programming error, raised even under `python -O`)."""
+    found = tuple(keys)
+    if found != names:
+        raise AssertionError(f"{table} is keyed by {found}, but fedsynth.config_schema names {names}")
+
+
 MAX_PORT = 65535
 
 
@@ -142,6 +187,10 @@ class Section:
         if not host or not port.isdigit() or not 1 <= int(port) <= MAX_PORT:
             self._fail(name, f"HOST:PORT with a port in 1..{MAX_PORT}")
 
+    def bounded(self, name: str, bound: Bound) -> None:
+        if not bound.accepts(getattr(self, name)):
+            self._fail(name, str(bound))
+
     def parameters_of(self, algorithm: str, name: str) -> None:
         accepted = ALGORITHM_PARAMS[algorithm]
         for param, value in getattr(self, name).items():
@@ -149,8 +198,4 @@ class Section:
             if param not in accepted:
                 raise ConfigError(f"{key}: algorithm {algorithm!r} has no parameter {param!r} "
                                   f"(accepted: {', '.join(accepted) or 'none'})")
-            op, limit = accepted[param]
-            if not (value >= limit if op == ">=" else value > limit):
-                raise ConfigError(f"{key} must be {op} {limit} for {algorithm}, got {value!r}")
-            if param == "num_clients" and not isinstance(value, int):
-                raise ConfigError(f"{key} must be an integer, got {value!r}")
+            check_parameter(algorithm, param, value, key=key)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from fedsynth.config_schema import MODELS, require_names
 from fedsynth.errors import ConfigError
-
-MODELS = ("cnn", "resnet18")
 
 
 class SmallCNN(nn.Module):
@@ -90,6 +90,24 @@ def _check_positive_int(name: str, value: int, minimum: int) -> None:
         raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
+def _cnn(*, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
+    return SmallCNN(num_classes=num_classes, in_channels=in_channels)  # any side >= 4 (the adaptive pool)
+
+
+def _resnet18(*, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
+    if image_size < 8:
+        raise ConfigError(f"model 'resnet18' needs images of at least 8x8 pixels, got image_size={image_size}")
+    return CifarResNet18(num_classes=num_classes, in_channels=in_channels)
+
+
+# One builder per name in MODELS (fedsynth.config_schema, where the config check reads them without torch).
+_BUILDERS: dict[str, Callable[..., nn.Module]] = {
+    "cnn": _cnn,
+    "resnet18": _resnet18,
+}
+require_names("fedsynth.models' builders", _BUILDERS, MODELS)
+
+
 def build_model(name: str, *, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
     """Build model `name` (one of MODELS) for square images of `image_size` pixels.
 
@@ -100,10 +118,6 @@ def build_model(name: str, *, num_classes: int, in_channels: int, image_size: in
     _check_positive_int("num_classes", num_classes, 2)
     _check_positive_int("in_channels", in_channels, 1)
     _check_positive_int("image_size", image_size, 4)
-    if name == "cnn":
-        return SmallCNN(num_classes=num_classes, in_channels=in_channels)
-    if name == "resnet18":
-        if image_size < 8:
-            raise ConfigError(f"model 'resnet18' needs images of at least 8x8 pixels, got image_size={image_size}")
-        return CifarResNet18(num_classes=num_classes, in_channels=in_channels)
-    raise ConfigError(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")
+    if name not in MODELS:
+        raise ConfigError(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")
+    return _BUILDERS[name](num_classes=num_classes, in_channels=in_channels, image_size=image_size)

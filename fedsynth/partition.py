@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from fedsynth.config import DataConfig, RunConfig
+from fedsynth.config_schema import PARTITIONS
 from fedsynth.data import load_labels
 from fedsynth.errors import ConfigError, DataError
 
@@ -93,7 +94,7 @@ def partition(
     elif scheme == "dirichlet":
         local = dirichlet_partition(labels[pool], num_clients, alpha, seed, min_size=min_size)
     else:
-        raise ConfigError(f"unknown partition scheme {scheme!r}; expected 'dirichlet' or 'iid'")
+        raise ConfigError(f"unknown partition scheme {scheme!r}; expected one of {', '.join(PARTITIONS)}")
     return [pool[idx] for idx in local]
 
 

@@ -27,6 +27,7 @@ from fedsynth.allocation import (
     validate_beta,
     validate_counts,
 )
+from fedsynth.config_schema import PARTITIONS
 from fedsynth.errors import ConfigError, DataError
 
 DEFAULT_BETA = 12.0
@@ -43,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--seed", type=int, help="partition seed (default 0)")
     source.add_argument("--data-dir", help="folder holding train.npz (or a torchvision copy) of the dataset")
     source.add_argument("--min-size", type=int, help="redraw the Dirichlet split until every client has this many (10)")
-    source.add_argument("--partition", choices=("dirichlet", "iid"), help="partition scheme (default dirichlet)")
+    source.add_argument("--partition", choices=PARTITIONS, help="partition scheme (default dirichlet)")
     source.add_argument("--holdout-fraction", type=float, help="share of train labels held out before partitioning (0)")
     source.add_argument("--counts", help='JSON file {"counts": [[n_k^c, ...], ...]}: K rows of C label counts')
     policy = parser.add_argument_group("policy")

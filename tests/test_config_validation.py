@@ -20,7 +20,7 @@ import pytest
 
 import fedsynth.assembly as assembly
 from fedsynth.config import SECTIONS, RunConfig, from_dict, from_json, load_config, to_json
-from fedsynth.config_schema import ALGORITHM_PARAMS, GENERATOR_BACKENDS, GENERATOR_SIZES, MODELS
+from fedsynth.config_schema import ALGORITHM_PARAMS, GENERATOR_BACKENDS, GENERATOR_SIZES, require_names
 from fedsynth.data import DATASETS, load_labels
 from fedsynth.errors import ConfigError
 from fedsynth.partition import check_partition, partition
@@ -215,34 +215,59 @@ def test_a_bad_key_in_a_file_is_named(tmp_path: Path) -> None:
         load_config(path)
 
 
-def test_algorithm_parameter_bounds_agree_with_the_algorithms() -> None:
-    from fedsynth.algorithms import ALGORITHMS, get_algorithm
+def test_the_config_and_the_algorithms_refuse_the_same_parameter_values() -> None:
+    """Both read the bounds in config_schema.ALGORITHM_PARAMS: values at each edge, through both doors."""
+    from fedsynth.algorithms import get_algorithm
 
-    assert set(ALGORITHM_PARAMS) == set(ALGORITHMS)
     for name, params in ALGORITHM_PARAMS.items():
-        assert set(params) == {f.name for f in dataclasses.fields(ALGORITHMS[name])}, name
-        for param, (op, limit) in params.items():
-            base = {"num_clients": 3} if name == "scaffold" else {}
-            bad = limit if op == ">" else limit - 1
-            good = limit + 1 if op == ">" else limit
-            for value, ok in ((bad, False), (good, True)):
+        for param, bound in params.items():
+            base = {"num_clients": 3} if name == "scaffold" and param != "num_clients" else {}
+            bad = [bound.low - 1, math.nan, True] + [bound.low] * bound.strict + [2.5] * bound.integer
+            good = [bound.low + 1] + ([] if bound.strict else [bound.low])
+            for value in bad + good:
                 raw = {"train": {"algorithm": name, "algorithm_params": {**base, param: value}}}
-                if ok:
+                if value in good and not isinstance(value, bool):
                     from_dict(raw)
                     get_algorithm(name, **{**base, param: value})
                     continue
-                with pytest.raises(ConfigError):
+                with pytest.raises(ConfigError) as err:
                     from_dict(raw)
-                with pytest.raises(ConfigError):
+                assert_names(f"train.algorithm_params.{param}", err.value)
+                with pytest.raises(ConfigError, match=param):
                     get_algorithm(name, **{**base, param: value})
 
 
-def test_the_choices_are_the_ones_the_roles_serve() -> None:
-    from fedsynth.models import MODELS as REAL_MODELS
-    from generator_service.backends import BACKENDS
-    from generator_service.ddpm.model import SIZES
+def test_the_sdafl_section_takes_the_sdafl_algorithm_bounds() -> None:
+    for param, bound in ALGORITHM_PARAMS["sdafl"].items():
+        edge = {"sdafl": {param: bound.low}}
+        if bound.strict:
+            with pytest.raises(ConfigError, match=rf"^sdafl.{param} must be {re.escape(str(bound))}, got "):
+                from_dict(edge)
+        else:
+            assert getattr(from_dict(edge).sdafl, param) == bound.low
 
-    assert (MODELS, GENERATOR_BACKENDS, GENERATOR_SIZES) == (REAL_MODELS, tuple(BACKENDS), tuple(SIZES))
+
+def test_reading_a_config_imports_neither_torch_nor_a_role_package() -> None:
+    """Why the names live in config_schema: the launcher and the config check stay light."""
+    code = ("import sys; import fedsynth.config, fedsynth.config_schema; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'torch', 'torchvision', 'diffusers', 'coordinator', 'client_node', 'generator_service', 'deploy'}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_a_table_keyed_by_other_names_fails_when_imported() -> None:
+    require_names("t", iter(GENERATOR_SIZES), GENERATOR_SIZES)
+    for keys in (GENERATOR_SIZES[:-1], tuple(reversed(GENERATOR_SIZES)), (*GENERATOR_SIZES, "huge")):
+        with pytest.raises(AssertionError, match=r"^t is keyed by"):
+            require_names("t", keys, GENERATOR_SIZES)
+
+
+def test_every_backend_name_has_its_module() -> None:
+    """generator_service.backends.BACKENDS is derived from the names and imports lazily: each must resolve."""
+    from generator_service.backends import get_backend
+
+    assert [get_backend(name).name for name in GENERATOR_BACKENDS] == list(GENERATOR_BACKENDS)
     assert set(DATASETS) >= {"digits", "cifar10"}
 
 
@@ -345,3 +370,14 @@ def test_more_clients_than_samples_is_refused_before_any_split(scheme: str) -> N
     cfg = load_config(None, ["data.clients=1000000000", "data.min_size=0", f"data.partition={scheme}"])
     with pytest.raises(ConfigError, match=r"^data.clients=1000000000, data.min_size=0.*exceed the 1438 samples"):
         check_partition(cfg)
+
+
+def test_the_coordinator_refuses_an_impossible_split_before_serving(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = subprocess.run([fedsynth_script(), "coordinator", "--insecure", "--set", "data.clients=100", "--set",
+                             "data.min_size=5", "--out-dir", str(out), "--port-file", str(tmp_path / "port")],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fedsynth coordinator: error: data.clients=100"), result.stderr
+    assert not any(tmp_path.iterdir()), "no port file, no output folder"

@@ -11,9 +11,16 @@ from fedsynth.algorithms.fedprox import FedProx
 from fedsynth.algorithms.moon import Moon
 from fedsynth.algorithms.scaffold import Scaffold
 from fedsynth.algorithms.sdafl import Sdafl
+from fedsynth.config_schema import ALGORITHM_PARAMS, require_names
+from fedsynth.config_schema import ALGORITHMS as NAMES
 from fedsynth.errors import ConfigError
 
-ALGORITHMS: dict[str, type] = {"fedavg": FedAvg, "fedprox": FedProx, "scaffold": Scaffold, "moon": Moon, "sdafl": Sdafl}
+# By the names and parameters fedsynth.config_schema defines (the config check reads them there, without torch).
+ALGORITHMS: dict[str, type] = {cls.name: cls for cls in (FedAvg, FedProx, Scaffold, Moon, Sdafl)}
+require_names("fedsynth.algorithms.ALGORITHMS", ALGORITHMS, NAMES)
+for _name, _cls in ALGORITHMS.items():
+    _fields = [f.name for f in dataclasses.fields(_cls)]
+    require_names(f"{_cls.__name__}'s fields", _fields, tuple(ALGORITHM_PARAMS[_name]))
 
 __all__ = ["ALGORITHMS", "Aggregator", "Algorithm", "ClientUpdate", "StateDict", "get_algorithm", "snapshot_state"]
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from fedsynth.config_schema import check_parameter
 from fedsynth.errors import WireError
 from fedsynth.training import LocalTrainConfig, TrainData
 
@@ -61,6 +63,13 @@ class Algorithm(Protocol):
     def server_extra(self, server_state: StateDict) -> StateDict:
         """The tensors sent to every sampled client along with the global model."""
         ...
+
+
+def check_parameters(algorithm: Any) -> None:
+    """Each parameter (dataclass field) of `algorithm` within its bound in fedsynth.config_schema.ALGORITHM_PARAMS,
+    the bounds the config check applies too; else ConfigError naming the parameter."""
+    for f in dataclasses.fields(algorithm):
+        check_parameter(algorithm.name, f.name, getattr(algorithm, f.name), key=f.name)
 
 
 class WeightedMeanServer:

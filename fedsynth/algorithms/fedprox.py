@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedsynth.algorithms.base import ClientUpdate, StateDict, WeightedMeanServer, snapshot_state
-from fedsynth.errors import ConfigError
+from fedsynth.algorithms.base import ClientUpdate, StateDict, WeightedMeanServer, check_parameters, snapshot_state
 from fedsynth.training import LocalTrainConfig, TrainData, run_local_sgd
 
 
@@ -25,8 +23,7 @@ class FedProx(WeightedMeanServer):
     name = "fedprox"
 
     def __post_init__(self) -> None:
-        if isinstance(self.mu, bool) or not isinstance(self.mu, (int, float)) or not math.isfinite(self.mu) or self.mu < 0:
-            raise ConfigError(f"fedprox mu must be a finite number >= 0, got {self.mu!r}")
+        check_parameters(self)
 
     def client_update(
         self,

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedsynth.algorithms.base import ClientUpdate, StateDict, WeightedMeanServer, snapshot_state
-from fedsynth.errors import ConfigError
+from fedsynth.algorithms.base import ClientUpdate, StateDict, WeightedMeanServer, check_parameters, snapshot_state
 from fedsynth.training import LocalTrainConfig, TrainData, run_local_sgd
 
 
@@ -47,11 +45,7 @@ class Moon(WeightedMeanServer):
     name = "moon"
 
     def __post_init__(self) -> None:
-        for field_name, value, minimum_exclusive in (("mu", self.mu, False), ("temperature", self.temperature, True)):
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            if not ok or value < 0 or (minimum_exclusive and value == 0):
-                bound = "> 0" if minimum_exclusive else ">= 0"
-                raise ConfigError(f"moon {field_name} must be a finite number {bound}, got {value!r}")
+        check_parameters(self)
 
     def client_update(
         self,

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedsynth.algorithms.base import Aggregator, ClientUpdate, StateDict, check_same_layout, snapshot_state
+from fedsynth.algorithms.base import (
+    Aggregator,
+    ClientUpdate,
+    StateDict,
+    check_parameters,
+    check_same_layout,
+    snapshot_state,
+)
 from fedsynth.errors import ConfigError, WireError
 from fedsynth.training import LocalTrainConfig, TrainData, run_local_sgd
 
@@ -32,11 +38,7 @@ class Scaffold:
     name = "scaffold"
 
     def __post_init__(self) -> None:
-        if isinstance(self.num_clients, bool) or not isinstance(self.num_clients, int) or self.num_clients < 1:
-            raise ConfigError(f"scaffold num_clients must be an integer >= 1, got {self.num_clients!r}")
-        lr = self.global_lr
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
-            raise ConfigError(f"scaffold global_lr must be a finite number > 0, got {lr!r}")
+        check_parameters(self)
 
     def client_update(
         self,

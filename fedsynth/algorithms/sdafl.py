@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedsynth.algorithms.base import ClientUpdate, StateDict, WeightedMeanServer, snapshot_state
-from fedsynth.errors import ConfigError, WireError
+from fedsynth.algorithms.base import ClientUpdate, StateDict, WeightedMeanServer, check_parameters, snapshot_state
+from fedsynth.errors import WireError
 from fedsynth.training import LocalTrainConfig, TrainData, run_local_sgd
 
 
@@ -27,10 +27,7 @@ class Sdafl(WeightedMeanServer):
     name = "sdafl"
 
     def __post_init__(self) -> None:
-        if not self.lambda2 >= 0:
-            raise ConfigError(f"sdafl lambda2 must be >= 0, got {self.lambda2!r}")
-        if not self.mixup_alpha > 0:
-            raise ConfigError(f"sdafl mixup_alpha must be > 0, got {self.mixup_alpha!r}")
+        check_parameters(self)
 
     def client_update(
         self,

@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
+from fedsynth.config_schema import POLICIES
 from fedsynth.errors import ConfigError, DataError
 
-POLICIES = ("none", "fedeas", "uniform", "missing", "full")
 MATCHED_POLICIES = ("uniform", "missing")
 MAX_COUNT = 2**53  # beyond this neither int64 sums nor float shares stay exact
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from fedsynth.config_schema import ACCOUNTANTS
 from fedsynth.errors import ConfigError
 
-ACCOUNTANTS = ("rdp", "prv")
 # Used when neither noise_multiplier nor target_epsilon is given.
 DEFAULT_NOISE_MULTIPLIER = 1.0
 # delta defaults to min(1e-5, N^-1.1): well below 1/N for any client-sized N (SDA-FL clients hold

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fedsynth import lifetime
+
 log = logging.getLogger(__name__)
 def fedsynth_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "fedsynth.cli", *args]
@@ -41,10 +43,12 @@ class ProcessGroup:
             stdout=handle,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-            # No preexec_fn: it forces fork() in a process that has used gRPC, whose fork handlers can abort
-            # the child. Without it CPython spawns with vfork/posix_spawn. Children end when the launcher stops
-            # them; after a kill -9 of the launcher, clients give up once the coordinator is gone.
+            env=lifetime.child_env({**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}),
+            # Its own process group: Ctrl-C reaches only this process, which stops the children in order, and a
+            # child's grandchildren (a client's DP-GAN) can be killed with it. No preexec_fn: it forces fork() in a
+            # process that has used gRPC, whose fork handlers can abort the child; the child arms its parent-death
+            # signal itself (fedsynth.lifetime), so it dies with this process even after a kill -9.
+            process_group=0,
         )
         handle.close()
         child = Child(role, process, log_path)
@@ -56,7 +60,7 @@ class ProcessGroup:
         return {c.role: c.pid for c in self.children}
 
     def stop_all(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every child still running, wait up to grace_s, then SIGKILL what is left."""
+        """SIGTERM every child still running, wait up to grace_s, then SIGKILL what is left of its process group."""
         alive = [c for c in self.children if c.process.poll() is None]
         for child in alive:
             child.process.send_signal(signal.SIGTERM)
@@ -66,8 +70,17 @@ class ProcessGroup:
                 child.process.wait(timeout=max(0.0, stop_at - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("%s (pid %d) ignored SIGTERM for %.0fs; killing it", child.role, child.pid, grace_s)
-                child.process.kill()
+                _kill_group(child.pid)
                 child.process.wait(timeout=5)
+        for child in alive:  # a grandchild its parent failed to stop (only groups whose leader was reaped just now)
+            _kill_group(child.pid)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left in it
 
 
 def wait_for_file(path: Path, child: Child, *, timeout_s: float) -> str:

@@ -7,6 +7,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from fedsynth import lifetime
 from fedsynth.errors import FedsynthError
 
 # name -> (module, one-line help). Each module defines add_arguments(parser) and run(args) -> int.
@@ -45,6 +46,7 @@ def _resolve(argv: Sequence[str]) -> tuple[str, list[str]] | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    lifetime.bind_to_parent()  # first: a child started by a fedsynth process ends with it, even if it dies by kill -9
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_overview())

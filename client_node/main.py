@@ -12,7 +12,7 @@ import torch
 
 from client_node.metrics import ClientMetrics
 from client_node.node import NodeOptions, run_clients
-from fedsynth import tls
+from fedsynth import lifetime, tls
 from fedsynth.errors import ConfigError
 from fedsynth.metrics import add_metrics_arguments, serve_metrics_from_args
 from fedsynth.runtime import setup_logging
@@ -78,9 +78,14 @@ def run(args: argparse.Namespace) -> int:
     if args.torch_threads < 1:
         raise ConfigError(f"--torch-threads must be >= 1, got {args.torch_threads}")
     torch.set_num_threads(args.torch_threads)
+    # The first optimizer imports torch._dynamo (~3 s): pay it here, not inside a round where a SIGTERM would wait on it.
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     options = node_options(args, ids)
     serve_metrics_from_args(args, tls.tls_files_from_args(args, f"client-{ids[0]}"))  # HTTPS with the first client's pair
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    return run_clients(ids, options, ClientMetrics(), stop)
+    code = run_clients(ids, options, ClientMetrics(), stop)
+    if stop.is_set():  # stopped by a signal and shut down: leave at once
+        lifetime.exit_now(code)
+    return code

@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -21,7 +21,7 @@ from fedsynth.algorithms.base import snapshot_state
 from fedsynth.allocation import fedeas_generation_row
 from fedsynth.assembly import algorithm_for, client_shard, local_train_config, round_generator
 from fedsynth.config import RunConfig, from_json
-from fedsynth.errors import FedsynthError, WireError
+from fedsynth.errors import FedsynthError, StopRequested, WireError
 from fedsynth.models import build_model
 from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_OK
 from fedsynth.training import TrainData, images_to_tensor
@@ -88,6 +88,9 @@ class LogicalClient:
                 except RunEnded as ended:
                     log.info("client %d: run over (%s)", self.client_id, ended)
                     return EXIT_OK if ended.success else EXIT_BELOW_QUORUM
+                except StopRequested as stopped:  # nothing was uploaded; the synthetic cache is written atomically
+                    log.info("client %d: %s", self.client_id, stopped)
+                    break
                 except grpc.RpcError as exc:
                     if self.stop.is_set():
                         break
@@ -130,7 +133,7 @@ class LogicalClient:
         if cfg.train.algorithm == "sdafl" and not reply.synthetic_uploaded:
             images, privacy = ensure_samples(
                 cfg, self.client_id, self.state.real_x, self.options.cache_dir,
-                timeout_s=cfg.runtime.registration_timeout_s, torch_threads=torch.get_num_threads(),
+                timeout_s=cfg.runtime.registration_timeout_s, torch_threads=torch.get_num_threads(), should_stop=self.stop.is_set,
             )
             upload(stub, self.client_id, reply.session, images, privacy, timeout_s=RPC_TIMEOUT_S * 4)
         log.info("client %d: registered (N_k=%d, %d rounds done)", self.client_id, len(self.state.real_y), reply.completed_rounds)
@@ -207,11 +210,12 @@ class LogicalClient:
                 cache_hit=self.state.synthetic.cache_hit,
             )
 
+        log.info("client %d: round %d: training on %d samples", self.client_id, task.round, len(self.state.data))
         started = time.monotonic()
         update = self.algorithm.client_update(
             model=self.model,
             data=self.state.data,
-            cfg=local_train_config(cfg),
+            cfg=replace(local_train_config(cfg), should_stop=self.stop.is_set),
             server_extra={**groups.get("extra", {}), **self._shared_synthetic(groups.get("synthetic"))},
             client_state=self.state.algorithm_state,
             generator=round_generator(cfg, self.client_id, task.round),

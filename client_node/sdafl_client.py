@@ -8,20 +8,23 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedsynth import codec, grpcutil
+from fedsynth import codec, grpcutil, lifetime
 from fedsynth.assembly import client_seed
 from fedsynth.config import RunConfig
-from fedsynth.errors import FedsynthError
+from fedsynth.errors import FedsynthError, StopRequested
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+POLL_S = 0.1  # how soon a stop request reaches a DP-GAN in training
+STOP_GRACE_S = 5.0
 
 
 def dpgan_fields(cfg: RunConfig, client_id: int) -> dict[str, Any]:
@@ -48,9 +51,13 @@ def dpgan_fields(cfg: RunConfig, client_id: int) -> dict[str, Any]:
 
 
 def ensure_samples(
-    cfg: RunConfig, client_id: int, real_x: np.ndarray, cache_dir: Path, *, timeout_s: float, torch_threads: int = 1
+    cfg: RunConfig, client_id: int, real_x: np.ndarray, cache_dir: Path, *, timeout_s: float, torch_threads: int = 1,
+    should_stop: Callable[[], bool] = lambda: False,
 ) -> tuple[np.ndarray, dict[str, Any]]:
-    """The client's M DP-GAN samples: from its cache when the same settings made them, else trained now."""
+    """The client's M DP-GAN samples: from its cache when the same settings made them, else trained now.
+
+    Training runs in a child process that ends with this one; once `should_stop()` turns True it is
+    terminated and StopRequested raised."""
     fields = dpgan_fields(cfg, client_id)
     identity = hashlib.sha256(json.dumps([fields, cfg.sdafl.samples_per_client, real_x.shape], sort_keys=True).encode()).hexdigest()[:16]
     folder = cache_dir / f"client-{client_id:04d}" / f"sdafl-{identity}"
@@ -69,16 +76,39 @@ def ensure_samples(
         log.info("client %d: training its DP-GAN on %d private images", client_id, len(real_x))
         env = {**os.environ, "OMP_NUM_THREADS": str(torch_threads)}  # several clients may train at once on few cores
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False, env=env)
-        except subprocess.TimeoutExpired:
-            raise FedsynthError(f"client {client_id}: DP-GAN training took longer than {timeout_s:.0f}s; lower sdafl.gan_steps") from None
+            code, stderr = _train(command, env, client_id=client_id, timeout_s=timeout_s, should_stop=should_stop)
         finally:
             private.unlink(missing_ok=True)
-        if done.returncode != 0:
-            raise FedsynthError(f"client {client_id}: DP-GAN training failed: {done.stderr.strip().splitlines()[-1:]}")
+        if code != 0:
+            raise FedsynthError(f"client {client_id}: DP-GAN training failed: {stderr.strip().splitlines()[-1:]}")
     with np.load(samples, allow_pickle=False) as archive:
         images = np.ascontiguousarray(archive["x"])
     return images, json.loads(privacy.read_text())
+
+
+def _train(command: list[str], env: dict[str, str], *, client_id: int, timeout_s: float, should_stop: Callable[[], bool]) -> tuple[int, str]:
+    """(exit code, stderr) of the DP-GAN child; on a stop, the deadline or any error it is terminated and waited for."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=lifetime.child_env(env))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                _, stderr = process.communicate(timeout=POLL_S)
+                return process.returncode, stderr
+            except subprocess.TimeoutExpired:
+                pass
+            if should_stop():
+                raise StopRequested(f"client {client_id}: stopped while training its DP-GAN")
+            if time.monotonic() > deadline:
+                raise FedsynthError(f"client {client_id}: DP-GAN training took longer than {timeout_s:.0f}s; lower sdafl.gan_steps")
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.communicate(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
 
 
 def upload(stub: pb_grpc.CoordinatorStub, client_id: int, session: str, images: np.ndarray, privacy: dict[str, Any], *, timeout_s: float) -> int:

@@ -23,3 +23,7 @@ class StateError(FedsynthError):
 
 class QuorumError(FedsynthError):
     """Too few clients answered or stayed reachable for a round to close."""
+
+
+class StopRequested(FedsynthError):
+    """A stop (SIGTERM, SIGINT) arrived while work was under way; the work was dropped, nothing half-done was sent."""

@@ -5,14 +5,14 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedsynth.errors import ConfigError, DataError
+from fedsynth.errors import ConfigError, DataError, StopRequested
 
 AUGMENT_MIN_SIZE = 32  # random crop + flip only makes sense for natural images; 8x8 digits stay as they are
 CROP_PADDING = 4
@@ -32,7 +32,8 @@ class LocalTrainConfig:
     """Local SGD settings (paper defaults: lr 1e-3, batch 64, 10 local epochs).
 
     `max_steps` caps the optimizer steps per round (None: run all `local_epochs`); a short-run knob for
-    CPU smoke runs and tests.
+    CPU smoke runs and tests. `should_stop` is asked before every optimizer step; once it returns True,
+    training raises StopRequested (a client node passes its SIGTERM flag).
     """
 
     lr: float = 1e-3
@@ -42,6 +43,7 @@ class LocalTrainConfig:
     local_epochs: int = 10
     augment: bool = False
     max_steps: int | None = None
+    should_stop: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_real("lr", self.lr, lower=0.0, lower_inclusive=False)
@@ -133,7 +135,8 @@ def run_local_sgd(
 
     `loss_fn(x, y)` returns the scalar loss of a batch already on the model's device;
     `adjust_gradients()` runs between backward and the optimizer step (SCAFFOLD's correction).
-    Returns (optimizer steps taken, mean batch loss over those steps).
+    Returns (optimizer steps taken, mean batch loss over those steps); raises StopRequested when
+    `cfg.should_stop()` turns True, leaving the model part-trained.
     """
     device = next(model.parameters()).device
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
@@ -146,6 +149,8 @@ def run_local_sgd(
         for x, y in batches(data, cfg.batch_size, generator):
             if steps >= step_limit:
                 break
+            if cfg.should_stop is not None and cfg.should_stop():
+                raise StopRequested(f"local training stopped after {steps} optimizer steps")
             if cfg.augment:
                 x = augment_batch(x, generator)
             loss = loss_fn(x.to(device, non_blocking=True), y.to(device, non_blocking=True))

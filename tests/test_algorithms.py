@@ -15,7 +15,7 @@ from torch import nn
 
 from fedsynth.algorithms import ALGORITHMS, Aggregator, ClientUpdate, get_algorithm
 from fedsynth.data import load_dataset
-from fedsynth.errors import ConfigError, DataError, WireError
+from fedsynth.errors import ConfigError, DataError, StopRequested, WireError
 from fedsynth.models import build_model
 from fedsynth.training import LocalTrainConfig, TrainData, augment_batch, batches, evaluate, images_to_tensor
 
@@ -219,6 +219,17 @@ def test_max_steps_caps_the_round_across_epochs(max_steps: int | None, expected:
     cfg = LocalTrainConfig(lr=0.01, batch_size=10, local_epochs=3, max_steps=max_steps)
     update, _ = run_update("fedavg", data, cfg)
     assert update.num_steps == expected and math.isfinite(update.train_loss)
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_a_stop_request_ends_local_training_between_steps(name: str) -> None:
+    data = TrainData(torch.rand(20, 1, 8, 8), torch.randint(0, 10, (20,)))
+    asked: list[int] = []
+    cfg = LocalTrainConfig(lr=0.01, batch_size=10, local_epochs=100, should_stop=lambda: asked.append(1) or len(asked) > 3)
+    params = {"num_clients": 4} if name == "scaffold" else {}
+    with pytest.raises(StopRequested, match="after 3 optimizer steps"):
+        run_update(name, data, cfg, **params)
+    assert len(asked) == 4  # asked before every step: three steps ran, the fourth never started
 
 
 @pytest.mark.parametrize("name", ["fedavg", "scaffold", "moon"])

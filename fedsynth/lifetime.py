@@ -21,7 +21,8 @@ HARD_EXIT_S = 30.0  # still alive this long after the parent died: hung on its w
 
 def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """`env` (default: this process's environment) plus this process's pid, for a fedsynth child that must not
-    outlive it: the child calls bind_to_parent() at start-up."""
+    outlive it: the child calls bind_to_parent() at start-up. Start it from a thread that lives as long as the child:
+    Linux sends the parent-death signal when the spawning thread ends, not only the process."""
     return {**(os.environ if env is None else env), PARENT_PID_ENV: str(os.getpid())}
 
 

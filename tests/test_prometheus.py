@@ -40,11 +40,11 @@ DASHBOARD = REPO / "deploy" / "grafana" / "fedsynth-dashboard.json"
 METRICS_DOC = REPO / "docs" / "metrics.md"
 INSTALL = "bash scripts/install_prometheus.sh"
 
-# 3 clients, 6 rounds, FedEAS at beta 4 (148 images on this partition): small enough for a 1-step DDIM generator.
+# 3 clients, 12 rounds, FedEAS at beta 4 (148 images on this partition): small enough for a 1-step DDIM generator.
 RUN: dict[str, Any] = {
     "seed": 0,
     "data.clients": 3,
-    "train.rounds": 6,  # the clients must outlive a few scrapes after their images arrive
+    "train.rounds": 12,  # the clients must outlive a few scrapes (and a file_sd refresh) after their images arrive
     "train.local_epochs": 3,
     "generation.policy": "fedeas",
     "generation.beta": 4.0,

@@ -1,4 +1,4 @@
-"""FedEAS end to end through `fedsynth run`: generation totals match `fedsynth plan`, matched baselines spend B."""
+"""FedEAS end to end through `fedsynth run`: each client generates, per class, exactly what DESIGN.md's formulas give."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fedsynth.allocation import generation_matrix
+import allocation_reference as reference
 from fedsynth.config import load_config
 from fedsynth.data import load_labels
 from fedsynth.partition import label_counts, partition
@@ -31,30 +31,44 @@ def _run(tmp_path: Path, model: Path, policy: str) -> dict:
     return json.loads((out / "report.json").read_text())
 
 
-def _planned(policy: str) -> tuple[int, dict[str, int]]:
+def _expected(policy: str) -> list[list[int]]:
+    """Images per (client, class) for the run's partition, from the formulas (the planner is not consulted)."""
     cfg = load_config(None, RUN)
     labels = load_labels("digits")
-    counts = label_counts(labels, partition(labels, 4, alpha=cfg.data.alpha, seed=cfg.seed, min_size=cfg.data.min_size), 10)
-    matrix = generation_matrix(policy, counts, beta=cfg.generation.beta)
-    fedeas_total = int(generation_matrix("fedeas", counts, beta=cfg.generation.beta).sum())
-    assert int(matrix.sum()) == fedeas_total  # the matched-budget protocol: every policy spends the FedEAS total
-    return int(matrix.sum()), {str(k): int(v) for k, v in enumerate(matrix.sum(axis=1))}
+    parts = partition(labels, 4, alpha=cfg.data.alpha, seed=cfg.seed, min_size=cfg.data.min_size)
+    counts = label_counts(labels, parts, 10).tolist()
+    fedeas = reference.fedeas(counts, cfg.generation.beta)
+    if policy == "fedeas":
+        return fedeas
+    return reference.matched(counts, sum(map(sum, fedeas)), missing_only=policy == "missing")  # B = the FedEAS total
+
+
+def _cached(out: Path, client: int) -> list[int]:
+    """Images per class in the client's synthetic cache: what it received from the generator and trains on."""
+    manifest = out / "cache" / f"client-{client:04d}" / "manifest.json"
+    if not manifest.is_file():  # a client with nothing to generate never opens a cache
+        return [0] * 10
+    parts = json.loads(manifest.read_text())["parts"]
+    return [sum(part["count"] for part in parts[str(c)]) for c in range(10)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["fedeas", "uniform", "missing"])
 def test_run_generates_exactly_the_planned_images(tmp_path: Path, tiny_generator: Path, policy: str) -> None:
     report = _run(tmp_path, tiny_generator, policy)
-    total, per_client = _planned(policy)
+    expected = _expected(policy)
+    totals = [sum(row) for row in expected]
+    assert sum(totals) > 0
+    assert report["success"] and len(report["rounds"]) == 2
+    assert [_cached(tmp_path / policy, k) for k in range(4)] == expected
+    generation = report["generation"]
+    assert generation["per_client"] == {str(k): total for k, total in enumerate(totals)}
+    assert generation["total_images"] == sum(totals)
+    assert generation["generator"]["images_total"] == sum(totals)  # the generator's own Prometheus counter agrees
+    assert generation["device_seconds"] > 0
     plan = subprocess.run(
         [sys.executable, "-m", "fedsynth.cli", "plan", "--dataset", "digits", "--clients", "4", "--alpha", "0.1", "--seed", "3",
          "--policy", policy, "--beta", "12", "--json"],
         capture_output=True, text=True, timeout=120, check=True,
     )
-    assert json.loads(plan.stdout)["total"] == total
-    generation = report["generation"]
-    assert generation["total_images"] == total > 0
-    assert generation["per_client"] == per_client
-    assert generation["generator"]["images_total"] == total  # the generator's own Prometheus counter agrees
-    assert generation["device_seconds"] > 0
-    assert report["success"] and len(report["rounds"]) == 2
+    assert json.loads(plan.stdout)["generation"] == expected  # the planner shows a user what the run will generate

@@ -11,10 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedsynth.allocation import fedeas_budgets, fedeas_generation, full_balance, imbalance_score
+import allocation_reference as reference
 
 CIFAR10 = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10"
 COUNTS = [[120, 3, 0, 0, 40], [0, 0, 55, 0, 0], [10, 12, 9, 11, 10], [1, 0, 0, 300, 2], [30, 30, 30, 30, 30]]
+# Worked by hand with C = 4: each N_k / C is a square and H_k / ln C is 0, 1/2 (two equal classes: ln 2 / ln 4) or 1.
+# b_k = floor(sqrt(N_k / 4) * (1 - H_k / ln 4) * 12): 2 * 1 * 12 = 24, 4 * 1/2 * 12 = 24, 0 (balanced), 5 * 1 * 12 = 60.
+HAND = [[16, 0, 0, 0], [32, 32, 0, 0], [9, 9, 9, 9], [0, 0, 0, 100]]
+HAND_BUDGETS = [24, 24, 0, 60]
+HAND_GENERATION = [[8, 24, 24, 24], [0, 0, 24, 24], [0, 0, 0, 0], [60, 60, 60, 0]]  # max(0, b_k - n_k^c): 308 images
 REQUIRED_KEYS = {
     "policy",
     "beta",
@@ -55,30 +60,49 @@ def counts_file(tmp_path: Path) -> Path:
     return path
 
 
-def test_json_holds_the_contract_keys_and_matches_the_library(counts_file: Path) -> None:
-    out = plan_json("--counts", str(counts_file), "--beta", "12")
+@pytest.fixture()
+def hand_file(tmp_path: Path) -> Path:
+    path = tmp_path / "hand.json"
+    path.write_text(json.dumps({"counts": HAND}))
+    return path
+
+
+def test_json_holds_the_contract_keys_and_the_hand_computed_plan(hand_file: Path) -> None:
+    out = plan_json("--counts", str(hand_file), "--beta", "12")
     assert REQUIRED_KEYS <= set(out)
-    assert out["policy"] == "fedeas" and out["beta"] == 12.0 and out["counts"] == COUNTS
-    assert out["generation"] == fedeas_generation(COUNTS, 12).tolist()
-    assert out["client_budgets"] == fedeas_budgets(COUNTS, 12).tolist()
-    assert out["client_budgets"][4] == 0  # the balanced client
-    assert out["total"] == int(np.sum(out["generation"])) > 0
-    assert out["full_balance_total"] == int(full_balance(COUNTS).sum())
-    assert out["imbalance_before"] == pytest.approx(imbalance_score(COUNTS))
-    assert out["imbalance_after"] == pytest.approx(imbalance_score(COUNTS, out["generation"]))
-    assert out["synthetic_fraction"] == pytest.approx(out["total"] / (np.sum(COUNTS) + out["total"]))
-    assert out["saving_vs_full_balance"] == pytest.approx(1 - out["total"] / out["full_balance_total"])
+    assert out["policy"] == "fedeas" and out["beta"] == 12.0 and out["counts"] == HAND
+    assert out["client_budgets"] == HAND_BUDGETS
+    assert out["generation"] == HAND_GENERATION
+    assert out["client_totals"] == [80, 48, 0, 180] and out["total"] == 308
+    assert out["full_balance_total"] == 412  # (16-n) over client 0, (32-n) over client 1, (100-n) over client 3
+    # I = sum_k p_k ||q_k - u||^2: ||q_k - u||^2 is 3/4 for one class, 1/4 for two equal ones, so (12 + 16 + 75) / 216.
+    assert out["imbalance_before"] == pytest.approx(103 / 216, rel=1e-12)
+    # After: client 0 is balanced; client 1 [32, 32, 24, 24] has 1/196 at weight 112, client 3 [60, 60, 60, 100] has
+    # 3/196 at weight 280, out of 524 images in all: (112 + 840) / 196 / 524 = 17 / 1834.
+    assert out["imbalance_after"] == pytest.approx(17 / 1834, rel=1e-12)
+    assert out["imbalance_removed"] == pytest.approx(1 - (17 / 1834) / (103 / 216), rel=1e-12)
+    assert out["synthetic_fraction"] == pytest.approx(308 / 524, rel=1e-12)
+    assert out["saving_vs_full_balance"] == pytest.approx(1 - 308 / 412, rel=1e-12)
+    assert out["selected_beta"] == reference.selected_beta(HAND) == 2.0
 
 
-def test_matched_policies_spend_the_fedeas_total_or_the_given_budget(counts_file: Path) -> None:
-    fedeas_total = plan_json("--counts", str(counts_file))["total"]
-    for policy in ("uniform", "missing"):
-        matched = plan_json("--counts", str(counts_file), "--policy", policy)
-        assert matched["total"] == fedeas_total and matched["client_budgets"] is None
-        assert plan_json("--counts", str(counts_file), "--policy", policy, "--budget", "77")["total"] == 77
-    assert plan_json("--counts", str(counts_file), "--policy", "none")["generation"] == [[0] * 5] * 5
-    full = plan_json("--counts", str(counts_file), "--policy", "full")
-    assert full["total"] == full["full_balance_total"] and full["imbalance_after"] == pytest.approx(0.0, abs=1e-15)
+def test_matched_policies_spread_the_fedeas_total_by_the_remainder_rule(hand_file: Path) -> None:
+    # B = 308. Uniform: 16 pairs, 308 = 16 * 19 + 4, so client 0's four pairs get 20. Missing-only: the 8 absent
+    # pairs (client 0: classes 1-3, client 1: 2-3, client 3: 0-2), 308 = 8 * 38 + 4: the first four get 39.
+    uniform = plan_json("--counts", str(hand_file), "--policy", "uniform")
+    assert uniform["generation"] == [[20] * 4, [19] * 4, [19] * 4, [19] * 4] and uniform["client_budgets"] is None
+    missing = plan_json("--counts", str(hand_file), "--policy", "missing")
+    assert missing["generation"] == [[0, 39, 39, 39], [0, 0, 39, 38], [0, 0, 0, 0], [38, 38, 38, 0]]
+    assert missing["client_budgets"] is None
+    # --budget 77 = 8 * 9 + 5 over the absent pairs; 77 = 16 * 4 + 13 over all of them.
+    given = plan_json("--counts", str(hand_file), "--policy", "missing", "--budget", "77")
+    assert given["generation"] == [[0, 10, 10, 10], [0, 0, 10, 10], [0, 0, 0, 0], [9, 9, 9, 0]]
+    given = plan_json("--counts", str(hand_file), "--policy", "uniform", "--budget", "77")
+    assert given["generation"] == [[5] * 4, [5] * 4, [5] * 4, [5, 4, 4, 4]]
+    assert plan_json("--counts", str(hand_file), "--policy", "none")["generation"] == [[0] * 4] * 4
+    full = plan_json("--counts", str(hand_file), "--policy", "full")
+    assert full["generation"] == [[0, 16, 16, 16], [0, 0, 32, 32], [0, 0, 0, 0], [100, 100, 100, 0]]
+    assert full["total"] == full["full_balance_total"] == 412 and full["imbalance_after"] == pytest.approx(0.0, abs=1e-15)
 
 
 def test_human_output_shows_the_table_and_the_full_balance_saving(counts_file: Path) -> None:
@@ -196,10 +220,16 @@ def test_cifar10_k20_alpha01_plan_is_consistent() -> None:
         "--beta",
         "12",
     )
-    counts, generation = np.array(out["counts"]), np.array(out["generation"])
-    assert counts.shape == (20, 10) and counts.sum() == 50_000 and counts.sum(axis=1).min() >= 10
-    assert generation.sum() == out["total"] == sum(out["client_totals"])
-    assert np.array_equal(generation, fedeas_generation(counts, 12))
-    assert out["full_balance_total"] > 10 * out["total"]  # the paper: 226,783 vs 13,437
-    assert 0.2 < out["imbalance_removed"] < 0.8 and 0.05 < out["synthetic_fraction"] < 0.4
-    assert out["selected_beta"] is not None
+    counts = out["counts"]
+    assert np.array(counts).shape == (20, 10) and np.sum(counts) == 50_000 and min(map(sum, counts)) >= 10
+    expected = reference.fedeas(counts, 12)
+    assert out["generation"] == expected
+    assert out["client_budgets"] == [reference.fedeas_budget(row, 12) for row in counts]
+    assert out["total"] == sum(map(sum, expected)) == sum(out["client_totals"])
+    assert out["full_balance_total"] == sum(map(sum, reference.full_balance(counts)))
+    before, after = reference.imbalance(counts), reference.imbalance(counts, expected)
+    assert out["imbalance_before"] == pytest.approx(before, rel=1e-9)
+    assert out["imbalance_after"] == pytest.approx(after, rel=1e-9)
+    assert out["imbalance_removed"] == pytest.approx(1 - after / before, rel=1e-9)
+    assert out["synthetic_fraction"] == pytest.approx(out["total"] / (50_000 + out["total"]), rel=1e-12)
+    assert out["selected_beta"] == reference.selected_beta(counts)

@@ -7,8 +7,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from sklearn.linear_model import LogisticRegression
 
+from coordinator import checkpoint
 from fedsynth import codec
+from fedsynth.data import load_dataset
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 from runtime_harness import Runtime, channel, config, read_record, wait_exit
@@ -26,6 +29,7 @@ SDAFL: dict[str, object] = {
     "runtime.registration_timeout_s": 120.0,
     "runtime.round_timeout_s": 120.0,
 }
+UNLABELLED = -1  # a synthetic sample's label on the wire until a local model is confident about it (max prob > tau)
 
 
 @pytest.mark.slow
@@ -37,11 +41,17 @@ def test_sdafl_run_uploads_once_pseudo_labels_and_reports_privacy(runtime: Runti
     record = read_record(tmp_path / "run")
     rounds = record["rounds"]
     assert len(rounds) == 4
-    coverage = [r["pseudo_label_coverage"] for r in rounds]
-    assert all(0.0 <= c <= 1.0 for c in coverage)
-    assert coverage[-1] > 0.0, coverage  # with tau 0.5 the local models label some samples
-    agreement = [r["pseudo_label_agreement"] for r in rounds if r["pseudo_labelled"]]
-    assert agreement and all(0.0 <= a <= 1.0 for a in agreement)
+    for r in rounds:  # coverage: the share of all 3 x 40 uploaded samples that carry a pseudo-label
+        assert r["pseudo_label_coverage"] == pytest.approx(r["pseudo_labelled"] / 120, abs=1e-12), r
+    # What the coordinator holds after the last round (the checkpoint is written right after the round's record).
+    synthetic = checkpoint.load(tmp_path / "run").synthetic
+    images = np.concatenate([synthetic[f"images_{c}"].numpy() for c in range(3)])
+    labels = np.concatenate([synthetic[f"labels_{c}"].numpy() for c in range(3)])
+    labelled = labels != UNLABELLED
+    assert images.shape == (120, 8, 8, 1)
+    assert rounds[-1]["pseudo_labelled"] == labelled.sum() > 0  # with tau 0.5 the local models label some samples
+    expected = _reference_agreement(images[labelled], labels[labelled], seed=config(SDAFL).seed)
+    assert rounds[-1]["pseudo_label_agreement"] == pytest.approx(expected, abs=1e-12)
     privacy = record["sdafl"]
     assert sorted(privacy) == ["0", "1", "2"]
     for entry in privacy.values():
@@ -49,6 +59,15 @@ def test_sdafl_run_uploads_once_pseudo_labels_and_reports_privacy(runtime: Runti
         assert 0 < entry["epsilon"] <= 10.0 + 1e-9  # target epsilon 10 is never overshot
         assert 0 < entry["delta"] < 1e-4
         assert entry["gan_seconds"] > 0
+
+
+def _reference_agreement(images: np.ndarray, labels: np.ndarray, *, seed: int) -> float:
+    """The share of pseudo-labels a logistic regression trained centrally on the real training split agrees with
+    (up to 10,000 images drawn by the run seed, as the coordinator draws them; digits has fewer: all, in that order)."""
+    train = load_dataset("digits", "train")
+    keep = np.random.default_rng(seed).permutation(len(train.y))[:10_000]
+    model = LogisticRegression(max_iter=300).fit(train.x[keep].reshape(len(keep), -1) / 255.0, train.y[keep])
+    return float((model.predict(images.reshape(len(images), -1) / 255.0) == labels).mean())
 
 
 def _upload(stub: pb_grpc.CoordinatorStub, session: str, images: np.ndarray, *, client_id: int, dtype: str = "uint8") -> pb.UploadReply:
@@ -102,9 +121,11 @@ def test_bad_uploads_are_refused_and_never_enter_the_synthetic_set(runtime: Runt
         groups = codec.split_prefixed(codec.decode(codec.assemble(meta, _take(chunks, task.payload.num_chunks))))
         stream.cancel()
     images = groups["synthetic"]["images"].numpy()
-    assert images.shape == (47, 8, 8, 1)
-    assert np.array_equal(images[40:], good)
-    assert cfg.sdafl.samples_per_client == 40
+    # Client 0's DP-GAN samples exactly as its node cached and uploaded them, then our 7; none labelled yet.
+    uploaded = np.load(next((tmp_path / "cache" / "client-0000").glob("sdafl-*/samples.npz")))["x"]
+    assert uploaded.shape == (cfg.sdafl.samples_per_client, 8, 8, 1)
+    assert np.array_equal(images, np.concatenate([uploaded, good]))
+    assert groups["synthetic"]["labels"].tolist() == [UNLABELLED] * 47
 
 
 def _take(iterator, count: int):

@@ -14,12 +14,14 @@ import pytest
 import yaml
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
+from prometheus_client import CollectorRegistry, Counter
 
 from deploy.processes import Child, ProcessGroup, fedsynth_command, wait_for_file
 from deploy.prometheus.render_targets import JOBS, write_targets
+from deploy.scrape import scrape, total
 from fedsynth import cli
 from fedsynth.errors import ConfigError
-from fedsynth.metrics import choose_metrics_tls, serves_https
+from fedsynth.metrics import choose_metrics_tls, serve_metrics, serves_https
 from fedsynth.tls import TLSFiles
 from runtime_harness import START_TIMEOUT_S, wait_until
 from test_prometheus import Prometheus, free_port, tool
@@ -121,6 +123,29 @@ def test_client_hosts_make_client_certificates_server_certificates(pki: Path) ->
     names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert [str(n.value) for n in names] == ["spiffe://fedsynth/client/0", "localhost", "127.0.0.1", "client0.example"]
     assert not serves_https(TLSFiles.from_dir(pki, "operator"))
+
+
+def test_scrape_reads_https_metrics_with_the_operator_pair(pki: Path, tmp_path: Path) -> None:
+    """What `fedsynth run` with runtime.tls_dir does at the end: read the generator's HTTPS /metrics as `operator`."""
+    registry = CollectorRegistry()
+    Counter("fedsynth_generator_images", "images", ["class_id"], registry=registry).labels(class_id="3").inc(12)
+    server = serve_metrics(0, tls=TLSFiles.from_dir(pki, "generator"), registry=registry)
+    assert server is not None
+    url = f"https://127.0.0.1:{server.server_port}/metrics"
+    try:
+        values = scrape(url, tls=TLSFiles.from_dir(pki, "operator"))
+        assert values['fedsynth_generator_images_total{class_id="3"}'] == 12.0
+        assert total(values, "fedsynth_generator_images_total") == 12.0
+        with pytest.raises(ValueError, match="needs an https:// URL"):
+            scrape(url.replace("https://", "http://"), tls=TLSFiles.from_dir(pki, "operator"))
+        with pytest.raises(OSError, match="CERTIFICATE_VERIFY_FAILED"):
+            scrape(url)  # no TLS identity: the system's CAs do not know the provisioned one
+        other = provision(tmp_path / "other")
+        with pytest.raises(OSError, match="CERTIFICATE_VERIFY_FAILED"):
+            scrape(url, tls=TLSFiles.from_dir(other, "operator"))  # the scraper trusts another CA
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 # ---- a real generator process: HTTPS only, client certificate of the CA only -----------------------------------

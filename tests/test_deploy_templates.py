@@ -233,6 +233,33 @@ def test_compose_clients_match_the_run_and_prometheus_scrapes_every_process() ->
     assert {j["job_name"] for j in config["scrape_configs"]} == {j["job_name"] for j in shipped["scrape_configs"]}
 
 
+def test_compose_prometheus_scrapes_https_with_the_operator_pair(tmp_path: Path) -> None:
+    """Every role runs --tls-dir, so every /metrics is HTTPS: the jobs of prometheus-tls.yml, the CA and the operator
+    pair from Prometheus's own secrets, read as the uid that owns them (as the fedsynth services do)."""
+    doc = compose()
+    service = doc["services"]["prometheus"]
+    content = doc["configs"]["prometheus_config"]["content"]
+    shipped = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus-tls.yml").read_text())
+    files_of = {job["job_name"]: job["tls_config"] for job in shipped["scrape_configs"]}
+    for job in yaml.safe_load(content)["scrape_configs"]:
+        tls = job["tls_config"]
+        assert job["scheme"] == "https" and tls.get("min_version") == "TLS12", job["job_name"]
+        assert {k: f"/run/secrets/{Path(v).name}" for k, v in files_of[job["job_name"]].items() if k.endswith("_file")} \
+            == {k: v for k, v in tls.items() if k.endswith("_file")}, job["job_name"]
+    assert set(service["secrets"]) == {"ca.pem", "operator.pem", "operator-key.pem"}
+    assert service["user"] == doc["x-fedsynth"]["user"]  # operator-key.pem is 0600, owned by $FEDSYNTH_UID
+    owner = doc["services"][next(iter(service["depends_on"]))]  # gives the TSDB volume (the image's, for nobody) to it
+    assert owner["entrypoint"] == ["chown", service["user"], "/prometheus"] and owner["volumes"] == service["volumes"]
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (bash scripts/install_prometheus.sh)")
+    provision(tmp_path / "tls", 1)
+    config = tmp_path / "prometheus.yml"
+    config.write_text(content.replace("/run/secrets/", f"{tmp_path / 'tls'}/"))
+    check = subprocess.run([promtool, "check", "config", str(config)], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
 # ---- Kubernetes ------------------------------------------------------------------------------------------------
 
 MANIFESTS = sorted(KUBERNETES.glob("*.yaml"))
@@ -292,7 +319,8 @@ def test_kubernetes_commands_probes_and_services_agree() -> None:
             assert "readinessProbe" not in container and "ports" not in container  # nothing dials a client
             continue
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert ports == {"grpc": args.port} and args.host == "0.0.0.0", where
+        assert ports == {"grpc": args.port, "metrics": args.metrics_port} and args.host == "0.0.0.0", where
+        assert args.metrics_host == "0.0.0.0", f"{where}: /metrics must be reachable from a Prometheus pod"
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = parse_probe(container[kind]["exec"]["command"], f"{where} {kind}")
             assert probe.address == f"localhost:{args.port}" and probe.service == SERVICE_NAMES[role], f"{where} {kind}"
@@ -301,6 +329,9 @@ def test_kubernetes_commands_probes_and_services_agree() -> None:
         (service,) = [s for s in services.values() if s["spec"]["selector"] == selector]
         (port,) = service["spec"]["ports"]
         assert port["targetPort"] == "grpc" and port["port"] == args.port, f"Service {service['metadata']['name']}"
+        (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy" and d["spec"]["podSelector"]["matchLabels"] == selector]
+        admitted = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+        assert admitted == {args.port, args.metrics_port}, f"NetworkPolicy {policy['metadata']['name']}: {admitted}"
     client = parsed["client"][2]
     for flag, role in (("coordinator", "coordinator"), ("generator", "generator serve")):
         host, _, port = getattr(client, flag).rpartition(":")

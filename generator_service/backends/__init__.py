@@ -5,21 +5,20 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from fedsynth.config_schema import GENERATOR_BACKENDS
 from fedsynth.errors import ConfigError
 
 if TYPE_CHECKING:
     from generator_service.ddpm.sampling import ImageKey
-    from generator_service.serve_cmd import ServeConfig
 
-# name -> module defining BACKEND; imported on first use, so a holdout server never loads the UNet code it skips.
-BACKENDS: dict[str, str] = {
-    "ddpm": "generator_service.backends.ddpm",
-    "holdout": "generator_service.backends.holdout",
-}
+# name (fedsynth.config_schema.GENERATOR_BACKENDS) -> the module of that name defining BACKEND; imported on first use,
+# so a holdout server never loads the UNet code it skips.
+BACKENDS: dict[str, str] = {name: f"{__name__}.{name}" for name in GENERATOR_BACKENDS}
 
 
 class Unservable(Exception):
@@ -58,13 +57,41 @@ class GeneratorBackend(Protocol):
         ...
 
 
+class BackendSettings(Protocol):
+    """The server settings a backend reads (serve_cmd.ServeConfig has them). Backends depend on this, not on the
+    command that parses the flags, so that serve_cmd imports the backends and never the other way round."""
+
+    @property
+    def backend(self) -> str: ...
+    @property
+    def model(self) -> Path | None: ...  # ddpm: the generator folder
+    @property
+    def device(self) -> str: ...
+    @property
+    def max_batch(self) -> int: ...
+    @property
+    def ddim_steps(self) -> int | None: ...  # None: the folder's default
+    @property
+    def guidance(self) -> float | None: ...
+    @property
+    def threads(self) -> int: ...
+    @property
+    def dataset(self) -> str | None: ...  # holdout: the run's data.dataset, data_dir, holdout_fraction and seed
+    @property
+    def data_dir(self) -> Path | None: ...
+    @property
+    def holdout_fraction(self) -> float | None: ...
+    @property
+    def seed(self) -> int | None: ...
+
+
 @dataclass(frozen=True)
 class BackendSpec:
     """load() is the slow part (done while health says NOT_SERVING); check(), if any, fails fast before binding."""
 
     name: str
-    load: Callable[[ServeConfig], GeneratorBackend]
-    check: Callable[[ServeConfig], None] | None = None
+    load: Callable[[BackendSettings], GeneratorBackend]
+    check: Callable[[BackendSettings], None] | None = None
 
 
 def get_backend(name: str) -> BackendSpec:
@@ -75,6 +102,6 @@ def get_backend(name: str) -> BackendSpec:
     return spec
 
 
-def build_backend(config: ServeConfig) -> GeneratorBackend:
+def build_backend(config: BackendSettings) -> GeneratorBackend:
     """Load the backend named by config.backend with the settings in config."""
     return get_backend(config.backend).load(config)

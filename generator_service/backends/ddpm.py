@@ -4,17 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from generator_service.backends import BackendDescription, BackendSpec
+from generator_service.backends import BackendDescription, BackendSettings, BackendSpec
 from generator_service.ddpm.model import load_generator, read_metadata
 from generator_service.ddpm.sampling import DdimSampler, ImageKey, SamplingConfig, resolve_device
-
-if TYPE_CHECKING:
-    from generator_service.serve_cmd import ServeConfig
 
 
 class DdpmBackend:
@@ -55,12 +51,12 @@ def load_ddpm(model_dir: Path, *, device: str = "auto", batch_size: int, ddim_st
     return DdpmBackend(sampler, description)
 
 
-def _check(config: ServeConfig) -> None:
-    assert config.model is not None  # ServeConfig requires --model for this backend
+def _check(config: BackendSettings) -> None:
+    assert config.model is not None  # serve_cmd.ServeConfig requires --model for this backend
     read_metadata(config.model)  # a wrong folder fails here, before the server binds anything
 
 
-def _load(config: ServeConfig) -> DdpmBackend:
+def _load(config: BackendSettings) -> DdpmBackend:
     assert config.model is not None
     return load_ddpm(config.model, device=config.device, batch_size=config.max_batch, ddim_steps=config.ddim_steps,
                      guidance=config.guidance, threads=config.threads)

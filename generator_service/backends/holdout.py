@@ -18,11 +18,10 @@ import numpy as np
 from fedsynth.data import load_dataset
 from fedsynth.errors import ConfigError
 from fedsynth.partition import holdout_split
-from generator_service.backends import BackendDescription, BackendSpec, Unservable
+from generator_service.backends import BackendDescription, BackendSettings, BackendSpec, Unservable
 
 if TYPE_CHECKING:
     from generator_service.ddpm.sampling import ImageKey
-    from generator_service.serve_cmd import ServeConfig
 
 # Extra SeedSequence words: keep the permutation and the with-replacement draws apart from each other.
 PERMUTATION_TAG = 0x5E1F
@@ -94,7 +93,7 @@ def load_holdout(dataset: str, *, fraction: float, seed: int, data_dir: str | Pa
     return HoldoutBackend(train.x, train.y, holdout, train.num_classes, description)
 
 
-def _load(config: ServeConfig) -> HoldoutBackend:
+def _load(config: BackendSettings) -> HoldoutBackend:
     assert config.dataset is not None and config.holdout_fraction is not None and config.seed is not None
     return load_holdout(config.dataset, fraction=config.holdout_fraction, seed=config.seed, data_dir=config.data_dir)
 

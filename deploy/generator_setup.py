@@ -9,8 +9,8 @@ from pathlib import Path
 from deploy.processes import ProcessGroup, fedsynth_command
 from fedsynth.config import RunConfig
 from fedsynth.errors import ConfigError
+from fedsynth.generator_names import METADATA_FILE
 
-METADATA_FILE = "fedsynth_generator.json"  # written last by `fedsynth generator train`: its presence marks a whole model
 TRAIN_TIMEOUT_S = 3 * 3600.0
 
 

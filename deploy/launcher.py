@@ -15,10 +15,11 @@ import grpc
 from tqdm import tqdm
 
 from deploy.processes import ProcessGroup, fedsynth_command, wait_for_file
-from deploy.report import build_report, load_coordinator_record
+from deploy.report import LAST_N, build_report, load_coordinator_record
 from deploy.scrape import scrape, total
 from fedsynth import grpcutil, tls
 from fedsynth.config import RunConfig, load_config
+from fedsynth.generator_names import DEVICE_SECONDS_TOTAL, IMAGES_TOTAL, INFO, REQUESTS_TOTAL, SERVICE_NAME
 from fedsynth.errors import ConfigError
 from fedsynth.partition import check_partition
 from fedsynth.runtime import EXIT_INTERRUPTED, setup_logging, write_json
@@ -87,7 +88,7 @@ class Launcher:
         port = wait_for_file(port_file, child, timeout_s=START_TIMEOUT_S)
         address = f"{self.cfg.runtime.host}:{port}"
         channel = grpcutil.make_channel(address, self.credentials)
-        grpcutil.wait_for_serving(channel, "fedsynth.v1.Generator", timeout_s=START_TIMEOUT_S)
+        grpcutil.wait_for_serving(channel, SERVICE_NAME, timeout_s=START_TIMEOUT_S)
         channel.close()
         self.generation_setup_s = time.monotonic() - started
         return address
@@ -172,13 +173,13 @@ class Launcher:
             log.warning("could not read the generator's metrics: %s", exc)
             return None
         served = next((dict(re.findall(r'(\w+)="([^"]*)"', key)) for key in values
-                       if key.startswith("fedsynth_generator_info{")), {})
+                       if key.startswith(INFO + "{")), {})
         return {
             "backend": served.get("backend", self.cfg.generation.backend),
             "model_id": served.get("model_id", ""),
-            "images_total": int(total(values, "fedsynth_generator_images_total")),
-            "device_seconds": total(values, "fedsynth_generator_device_seconds_total"),
-            "requests_total": int(total(values, "fedsynth_generator_requests_total")),
+            "images_total": int(total(values, IMAGES_TOTAL)),
+            "device_seconds": total(values, DEVICE_SECONDS_TOTAL),
+            "requests_total": int(total(values, REQUESTS_TOTAL)),
         }
 
 
@@ -226,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     if report["final_accuracy"] is not None:
         log.info(
             "final accuracy %.4f (last-%d mean %.4f), %d synthetic images, %.1fs wall-clock; report: %s",
-            report["final_accuracy"], min(20, len(report["rounds"])), report["last20_mean_accuracy"],
+            report["final_accuracy"], min(LAST_N, len(report["rounds"])), report["last20_mean_accuracy"],
             report["generation"]["total_images"], report["wall_clock_s"], out_dir / "report.json",
         )
     return code if code else (0 if success else 1)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deploy.report import LAST_N
 from fedsynth.errors import ConfigError
 from fedsynth.runtime import write_atomic
 
@@ -85,7 +86,7 @@ def plot_accuracy(report: dict[str, Any], record: dict[str, Any], path: Path) ->
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     ax.plot(rounds, accuracy, marker="o" if len(rounds) <= 30 else None, color="#4c72b0", label="test accuracy")
     if report.get("last20_mean_accuracy") is not None:
-        tail = min(20, len(report["rounds"]))
+        tail = min(LAST_N, len(report["rounds"]))
         ax.axhline(report["last20_mean_accuracy"], ls="--", color="#4c72b0", alpha=0.5, label=f"mean of the last {tail} rounds")
     ax.set_xlabel("round (0: initial model)")
     ax.set_ylabel("test accuracy")
@@ -215,7 +216,7 @@ def _markdown(report: dict[str, Any], record: dict[str, Any], gen_rows: list[Cli
         "|---|---|",
         f"| initial accuracy | {_fmt(report.get('initial_accuracy'))} |",
         f"| final accuracy | {_fmt(report.get('final_accuracy'))} |",
-        f"| mean accuracy, last {min(20, len(rounds))} rounds | {_fmt(report.get('last20_mean_accuracy'))} |",
+        f"| mean accuracy, last {min(LAST_N, len(rounds))} rounds | {_fmt(report.get('last20_mean_accuracy'))} |",
         f"| synthetic images | {report.get('generation', {}).get('total_images', 0):,} |",
         f"| generation device-seconds | {report.get('generation', {}).get('device_seconds', 0.0):.2f} |",
         f"| wall-clock | {report.get('wall_clock_s', 0.0):.1f} s |",

@@ -12,10 +12,10 @@ import numpy as np
 
 from fedsynth import grpcutil
 from fedsynth.errors import ConfigError, WireError
+from fedsynth.generator_names import SERVICE_NAME
 from fedsynth.v1 import generator_pb2, generator_pb2_grpc
 
 log = logging.getLogger(__name__)
-SERVICE_NAME = "fedsynth.v1.Generator"
 INDEX_LIMIT = 1 << 32
 
 # on_batch(labels int64 (n,), images uint8 (n, H, W, C), first_index): first_index is the position of

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from fedsynth.generator_names import DEVICE_SECONDS_TOTAL, IMAGES_TOTAL, INFO, REQUESTS_TOTAL
 from fedsynth.metrics import DURATION_BUCKETS, SIZE_BUCKETS, MetricsHTTPServer, serve_metrics
 from fedsynth.tls import RevocationList, TLSFiles
 
@@ -17,9 +18,9 @@ class GeneratorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = REGISTRY if registry is None else registry
         r = self.registry
-        self.requests = Counter("fedsynth_generator_requests", "RPCs answered, by method and status code",
+        self.requests = Counter(REQUESTS_TOTAL, "RPCs answered, by method and status code",
                                 ["method", "code"], registry=r)
-        self.images = Counter("fedsynth_generator_images", "Images sent to clients, by class", ["class_id"], registry=r)
+        self.images = Counter(IMAGES_TOTAL, "Images sent to clients, by class", ["class_id"], registry=r)
         self.request_images = Histogram("fedsynth_generator_request_images", "Images asked for per accepted request",
                                         buckets=REQUEST_IMAGE_BUCKETS, registry=r)
         self.batch_size = Histogram("fedsynth_generator_batch_size", "Real (unpadded) images per sampling batch",
@@ -29,12 +30,12 @@ class GeneratorMetrics:
         self.queue_wait = Histogram("fedsynth_generator_queue_wait_seconds",
                                     "Time from a request's arrival until its first image starts sampling",
                                     buckets=DURATION_BUCKETS, registry=r)
-        self.device_seconds = Counter("fedsynth_generator_device_seconds", "Time spent sampling on the device",
+        self.device_seconds = Counter(DEVICE_SECONDS_TOTAL, "Time spent sampling on the device",
                                       registry=r)
         self.queued_images = Gauge("fedsynth_generator_queued_images", "Images waiting to be sampled", registry=r)
         self.model_load_seconds = Gauge("fedsynth_generator_model_load_seconds", "Time it took to load the model",
                                         registry=r)
-        self.info = Info("fedsynth_generator", "The served model", registry=r)
+        self.info = Info(INFO.removesuffix("_info"), "The served model", registry=r)
 
 
 def serve_registry(port: int, registry: CollectorRegistry, host: str = "127.0.0.1", tls: TLSFiles | None = None,

@@ -14,6 +14,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from fedsynth import grpcutil, tls
 from fedsynth.data import DATASETS
 from fedsynth.errors import ConfigError
+from fedsynth.generator_names import SERVICE_NAME
 from fedsynth.metrics import add_metrics_arguments, choose_metrics_tls
 from fedsynth.runtime import write_atomic
 from fedsynth.strict_decoding import add_strictly
@@ -24,7 +25,6 @@ from generator_service.metrics import GeneratorMetrics, serve_registry
 from generator_service.servicer import GeneratorServicer, ServedModel
 
 log = logging.getLogger(__name__)
-SERVICE_NAME = "fedsynth.v1.Generator"
 
 
 # The flags only one backend takes, and those it requires; another backend's flag is refused, not ignored.

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,9 +11,11 @@ from typing import Any
 import torch
 from diffusers import DDPMScheduler, UNet2DModel
 
+from fedsynth.config_schema import GENERATOR_SIZES, require_names
 from fedsynth.errors import ConfigError
+from fedsynth.generator_names import METADATA_FILE
+from fedsynth.runtime import write_atomic
 
-METADATA_FILE = "fedsynth_generator.json"
 WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
 METADATA_FORMAT = 1
 NUM_TRAIN_TIMESTEPS = 1000
@@ -41,6 +41,7 @@ SIZES: dict[str, UNetSize] = {
     "half": UNetSize((64, 128, 128, 128), 2, (1,), 32, 0.1),
     "ddpm-cifar": UNetSize((128, 256, 256, 256), 2, (1,), 32, 0.1),
 }
+require_names("generator_service.ddpm.model.SIZES", SIZES, GENERATOR_SIZES)  # the names the config check offers
 
 
 def build_unet(size: str, *, num_classes: int, image_shape: tuple[int, int, int], seed: int = 0) -> UNet2DModel:
@@ -122,14 +123,6 @@ def _weights_hash(folder: Path) -> str:
     return digest.hexdigest()[:12]
 
 
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(payload, handle, indent=2)
-        handle.write("\n")
-    os.replace(tmp, path)
-
-
 def save_generator(folder: Path, unet: UNet2DModel, scheduler: DDPMScheduler, metadata: GeneratorMetadata) -> GeneratorMetadata:
     """Write weights, scheduler config, then the metadata LAST (atomically): its presence marks a complete folder."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -137,7 +130,7 @@ def save_generator(folder: Path, unet: UNet2DModel, scheduler: DDPMScheduler, me
     scheduler.save_pretrained(folder)
     model_id = f"ddpm-{metadata.size}-{metadata.dataset}-{_weights_hash(folder)}"
     final = GeneratorMetadata(**{**asdict(metadata), "model_id": model_id, "parameters": parameter_count(unet)})
-    write_json_atomic(folder / METADATA_FILE, {"format": METADATA_FORMAT, **asdict(final)})
+    write_atomic(folder / METADATA_FILE, json.dumps({"format": METADATA_FORMAT, **asdict(final)}, indent=2) + "\n")
     return final
 
 

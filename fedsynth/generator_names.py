@@ -1,0 +1,14 @@
+"""Names other processes use to reach and read the generator service: its gRPC service, model folder and metrics."""
+
+from __future__ import annotations
+
+from fedsynth.v1 import generator_pb2
+
+SERVICE_NAME = generator_pb2.DESCRIPTOR.services_by_name["Generator"].full_name  # for grpc.health.v1
+METADATA_FILE = "fedsynth_generator.json"  # written last by `fedsynth generator train`: it marks a whole model folder
+
+# Samples of `fedsynth generator serve`'s /metrics that the launcher copies into report.json.
+IMAGES_TOTAL = "fedsynth_generator_images_total"  # counter, by class_id
+DEVICE_SECONDS_TOTAL = "fedsynth_generator_device_seconds_total"  # counter: time spent sampling
+REQUESTS_TOTAL = "fedsynth_generator_requests_total"  # counter, by method and code
+INFO = "fedsynth_generator_info"  # labels: backend, size, model_id, device, dtype

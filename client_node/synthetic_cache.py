@@ -11,14 +11,12 @@ import hashlib
 import io
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedsynth.runtime import write_json
+from fedsynth.runtime import write_atomic, write_json
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +71,7 @@ class SyntheticCache:
         np.save(buffer, np.ascontiguousarray(images, dtype=np.uint8), allow_pickle=False)
         data = buffer.getvalue()
         name = f"class{class_id:03d}-{first:07d}.npy"
-        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{name}-", suffix=".tmp")
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, self.folder / name)
+        write_atomic(self.folder / name, data)
         self.parts[class_id].append({"file": name, "first": first, "count": len(images), "sha256": hashlib.sha256(data).hexdigest()})
         self._save_manifest()
 

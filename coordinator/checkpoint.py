@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fedsynth.codec import join_prefixed, split_prefixed
+from fedsynth.runtime import write_atomic
 
 FILE_NAME = "checkpoint.safetensors"
 
@@ -27,21 +26,11 @@ class Checkpoint:
 
 
 def save(folder: Path, ckpt: Checkpoint) -> Path:
-    """Write to a temporary file in the same folder, fsync, then os.replace: a crash leaves the old file whole."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """Replace the checkpoint atomically: a crash leaves the old file whole."""
     tensors = join_prefixed(model=ckpt.global_state, server=ckpt.server_state, synthetic=ckpt.synthetic)
     meta = {"completed_rounds": str(ckpt.completed_rounds), "record": json.dumps(ckpt.record)}
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".checkpoint-", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        target = folder / FILE_NAME
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    target = folder / FILE_NAME
+    write_atomic(target, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta))
     return target
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,19 +26,30 @@ def setup_logging(role: str, level: str = "INFO") -> None:
     )
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write a file so that readers see either the old or the whole new content."""
+def write_atomic(path: Path, content: str | bytes | Callable[[Path], object]) -> None:
+    """Replace `path` so that readers see either the old or the whole new content, even after a crash.
+
+    `content` is text (UTF-8), bytes, or a writer called with a temporary path beside `path` that it must create,
+    as one file or as a folder of files (e.g. `lambda tmp: save_file(tensors, tmp)`). All of it is fsynced before
+    the rename; a folder may only replace a path that does not exist yet.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")
+    scratch = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp"))
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
+        tmp = scratch / path.name
+        if isinstance(content, (str, bytes)):
+            tmp.write_bytes(content.encode() if isinstance(content, str) else content)
+        else:
+            content(tmp)
+        for file in [tmp] if tmp.is_file() else sorted(p for p in tmp.rglob("*") if p.is_file()):
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def write_json(path: Path, content: Any) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from fedsynth.errors import ConfigError, DataError
-from fedsynth.runtime import setup_logging, write_json
+from fedsynth.runtime import setup_logging, write_atomic, write_json
 from generator_service.dpgan import DPGANConfig, sample_images, train_dp_wgan
 
 log = logging.getLogger("dpgan")
@@ -58,9 +58,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     np.savez(buffer, x=samples)
-    tmp = out / ".samples.npz.tmp"
-    tmp.write_bytes(buffer.getvalue())
-    tmp.replace(out / "samples.npz")
+    write_atomic(out / "samples.npz", buffer.getvalue())
     write_json(
         out / "privacy.json",
         {

@@ -6,7 +6,8 @@ Every accepted connection gets its own upstream connection and two pumps, one pe
 chunk, stamps it with `arrival + delay` and queues it; its writer sends each chunk when its time comes. Reading
 never waits for writing, so the stream stays pipelined: a byte is late by the delay (plus the receiver's own
 backpressure), never by the bytes ahead of it. Half-closes are forwarded after the same delay. SIGTERM or
-SIGINT stops the listener, drops the open connections and exits 0. Standard library only, so it starts fast.
+SIGINT stops the listener, drops the open connections and exits 0. It imports the standard library and
+fedsynth.runtime only (itself standard library only), so it starts fast.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import sys
-import tempfile
 from pathlib import Path
+
+from fedsynth.runtime import write_atomic
 
 log = logging.getLogger("delay_relay")
 
@@ -135,13 +136,6 @@ class DelayRelay:
         for task in list(self.connections):
             task.cancel()
         await asyncio.gather(*self.connections, return_exceptions=True)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from tqdm import tqdm
 
 from fedsynth.data import DATASETS, load_dataset
 from fedsynth.errors import ConfigError
+from fedsynth.runtime import write_atomic
 from generator_service.ddpm.grid import save_class_grid
 from generator_service.ddpm.model import (
     METADATA_FILE,
@@ -96,18 +96,17 @@ def _checkpoint_dirs(out: Path) -> list[Path]:
 
 def _save_checkpoint(out: Path, step: int, unet: UNet2DModel, ema: EMAModel, ema_unet: UNet2DModel,
                      optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> None:
-    """Write step-N.tmp, then rename it to step-N (atomic) and delete older checkpoints."""
-    root = out / CHECKPOINTS
-    final = root / f"step-{step:08d}"
-    tmp = root / f"step-{step:08d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    unet.save_pretrained(tmp / "unet", safe_serialization=True)
-    ema.copy_to(ema_unet.parameters())
-    ema_unet.save_pretrained(tmp / "ema", safe_serialization=True)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, "identity": _identity(cfg)}))
-    os.replace(tmp, final)
+    """Write the folder step-N atomically, then delete older checkpoints."""
+    final = out / CHECKPOINTS / f"step-{step:08d}"
+
+    def write(folder: Path) -> None:
+        unet.save_pretrained(folder / "unet", safe_serialization=True)
+        ema.copy_to(ema_unet.parameters())
+        ema_unet.save_pretrained(folder / "ema", safe_serialization=True)
+        torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+        (folder / "state.json").write_text(json.dumps({"step": step, "identity": _identity(cfg)}))
+
+    write_atomic(final, write)
     for older in _checkpoint_dirs(out):
         if older != final:
             shutil.rmtree(older, ignore_errors=True)

@@ -11,10 +11,10 @@ import numpy as np
 from client_node.metrics import ClientMetrics
 from client_node.synthetic_cache import SyntheticCache
 from fedsynth import grpcutil
-from fedsynth.allocation import fedeas_generation_row
+from fedsynth.allocation import client_quota
 from fedsynth.assembly import client_seed
 from fedsynth.config import RunConfig
-from fedsynth.errors import ConfigError, WireError
+from fedsynth.errors import ConfigError, DataError, WireError
 
 log = logging.getLogger(__name__)
 
@@ -32,16 +32,10 @@ class SyntheticSet:
 
 def planned_quota(cfg: RunConfig, counts: np.ndarray, assigned: list[int]) -> np.ndarray:
     """Images per class: computed from this client's own counts (fedeas, full) or assigned (uniform, missing)."""
-    policy = cfg.generation.policy
-    if policy == "none":
-        return np.zeros(len(counts), dtype=np.int64)
-    if policy == "fedeas":
-        return fedeas_generation_row(counts, cfg.generation.beta)
-    if policy == "full":
-        return (counts.max() - counts).astype(np.int64)
-    if len(assigned) != len(counts):
-        raise WireError(f"policy {policy!r} needs a quota of {len(counts)} classes from the coordinator, got {len(assigned)}")
-    return np.asarray(assigned, dtype=np.int64)
+    try:
+        return client_quota(cfg.generation.policy, counts, beta=cfg.generation.beta, assigned=assigned)
+    except DataError as exc:
+        raise WireError(f"the coordinator's quota does not fit this client: {exc}") from exc
 
 
 def synthesize(

@@ -9,7 +9,9 @@ import pytest
 
 from fedsynth.allocation import (
     BetaPoint,
+    assigned_quota,
     beta_path,
+    client_quota,
     fedeas_budgets,
     fedeas_client_budget,
     fedeas_generation,
@@ -142,6 +144,37 @@ def test_full_balance_fills_every_class_to_the_largest_and_none_is_zero() -> Non
     assert full_balance(counts).tolist() == [[0, 5, 3], [0, 0, 0]]
     assert generation_matrix("full", counts, beta=12).tolist() == [[0, 5, 3], [0, 0, 0]]
     assert generation_matrix("none", counts, beta=12).tolist() == [[0, 0, 0], [0, 0, 0]]
+
+
+
+def test_coordinator_sees_only_absence_yet_assigns_what_the_planner_plans() -> None:
+    # At registration a client reveals its FedEAS total and (for missing-only) its absent classes, not its counts.
+    missing = {k: np.flatnonzero(row == 0).tolist() for k, row in enumerate(SKEWED)}
+    totals = [int(fedeas_generation_row(row, 12).sum()) for row in SKEWED]
+    for policy in ("uniform", "missing"):
+        assigned = assigned_quota(policy, SKEWED.shape, missing=missing, fedeas_totals=totals)
+        assert assigned is not None
+        assert np.array_equal(assigned, matched_quota(policy, SKEWED, sum(totals)))
+        assert np.array_equal(generation_matrix(policy, SKEWED, beta=12), assigned)
+        rows = [client_quota(policy, row, beta=12, assigned=assigned[k]) for k, row in enumerate(SKEWED)]
+        assert np.array_equal(np.stack(rows), assigned)
+    budget = assigned_quota("missing", SKEWED.shape, missing=missing, fedeas_totals=totals, budget=7)
+    # 8 absent pairs, 7 images: one each to the first 7 in row-major order; client 3's class 2 gets none.
+    assert budget is not None and budget.tolist() == [[0, 0, 1, 1, 0], [1, 1, 0, 1, 1], [0] * 5, [0, 1, 0, 0, 0], [0] * 5]
+    assert assigned_quota("fedeas", SKEWED.shape, missing=missing, fedeas_totals=totals) is None
+
+
+def test_each_client_computes_its_own_row_of_the_plan() -> None:
+    for policy in ("none", "fedeas", "full"):
+        matrix = generation_matrix(policy, SKEWED, beta=12)
+        for k, row in enumerate(SKEWED):
+            assert client_quota(policy, row, beta=12).tolist() == matrix[k].tolist()
+    assert client_quota("full", [5, 0, 2], beta=12).tolist() == [0, 5, 3]
+    assert client_quota("fedeas", [3, 1], beta=12).tolist() == [0, 2]
+    with pytest.raises(DataError, match="assigned row of 5 classes, got 4 classes"):
+        client_quota("uniform", SKEWED[0], beta=12, assigned=[1, 2, 3, 4])
+    with pytest.raises(DataError, match="got none"):
+        client_quota("missing", SKEWED[0], beta=12)
 
 
 # --- imbalance score and gain -----------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Synthetic-data allocation: FedEAS budgets, matched baselines, the imbalance score and its budget paths."""
+"""Synthetic-data allocation: FedEAS budgets, matched baselines, the policy dispatch, imbalance and budget paths."""
 
 from fedsynth.allocation.baselines import full_balance, matched_quota, missing_only_quota, spread_evenly, uniform_quota
 from fedsynth.allocation.entropy import normalized_entropies, normalized_entropy
@@ -30,7 +30,7 @@ from fedsynth.allocation.paths import (
     matched_path,
     select_beta,
 )
-from fedsynth.allocation.policies import generation_matrix
+from fedsynth.allocation.policies import assigned_quota, client_quota, generation_matrix
 from fedsynth.allocation.validation import (
     MATCHED_POLICIES,
     POLICIES,
@@ -52,8 +52,10 @@ __all__ = [
     "BetaPoint",
     "GreedyPath",
     "ImbalanceDecomposition",
+    "assigned_quota",
     "beta_path",
     "client_imbalance",
+    "client_quota",
     "fedeas_budgets",
     "fedeas_client_budget",
     "fedeas_generation",

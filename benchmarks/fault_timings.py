@@ -13,8 +13,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from coordinator import checkpoint
 from deploy.processes import ProcessGroup, fedsynth_command, wait_for_file
+from deploy.scrape import scrape
 
 SETTINGS = [
     "data.clients=4", "train.rounds=400", "train.local_epochs=1", "generation.policy=none", "runtime.quorum=0.5",
@@ -22,6 +22,7 @@ SETTINGS = [
 ]
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*client (\d+) disconnected")
 ROUND_STARTED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*round \d+: sampled")
+SCRAPE_INTERVAL_S = 0.05  # polling /metrics faster would load the coordinator it times
 
 
 def _free_port() -> int:
@@ -30,18 +31,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rounds(out: Path) -> int:
-    ckpt = checkpoint.load(out)
-    return 0 if ckpt is None else ckpt.completed_rounds
+def _rounds(metrics_port_file: Path) -> int:
+    """The last completed round, from the coordinator's `fedsynth_coordinator_round` gauge (docs/metrics.md)."""
+    try:
+        values = scrape(f"http://127.0.0.1:{metrics_port_file.read_text().strip()}/metrics")
+    except OSError:
+        return 0
+    return int(values.get("fedsynth_coordinator_round", 0))
 
 
-def _wait(predicate, timeout_s: float, what: str):
+def _wait(predicate, timeout_s: float, what: str, interval_s: float = 0.01):
     stop_at = time.monotonic() + timeout_s
     while time.monotonic() < stop_at:
         value = predicate()
         if value:
             return value
-        time.sleep(0.01)
+        time.sleep(interval_s)
     raise TimeoutError(what)
 
 
@@ -72,17 +77,18 @@ def main() -> None:
     sets = [item for s in SETTINGS for item in ("--set", s)]
 
     def coordinator(name: str):
-        port_file = root / f"{name}.port"
+        port_file, metrics = root / f"{name}.port", root / f"{name}.metrics-port"
         child = group.start(name, fedsynth_command("coordinator", *sets, "--out-dir", str(out), "--port", str(port),
-                                                   "--port-file", str(port_file), "--insecure"))
+                                                   "--port-file", str(port_file), "--metrics-port", "0",
+                                                   "--metrics-port-file", str(metrics), "--insecure"))
         wait_for_file(port_file, child, timeout_s=120)
-        return child
+        return child, metrics
 
     try:
-        coord = coordinator("coordinator")
+        coord, metrics = coordinator("coordinator")
         clients = [group.start(f"client-{k}", fedsynth_command("client", "--coordinator", f"127.0.0.1:{port}", "--clients", str(k),
                                                                "--cache-dir", str(root / "cache"), "--insecure")) for k in range(4)]
-        _wait(lambda: _rounds(out) >= 2, 180, "round 2")
+        _wait(lambda: _rounds(metrics) >= 2, 180, "round 2", SCRAPE_INTERVAL_S)
         killed_at = time.time()
         clients[3].process.send_signal(signal.SIGKILL)
         detected = _wait(lambda: _disconnect_time(coord.log_path, 3), 60, "kill -9 detection")
@@ -91,14 +97,14 @@ def main() -> None:
         frozen_detected = _wait(lambda: _disconnect_time(coord.log_path, 2), 120, "SIGSTOP detection")
         clients[2].process.send_signal(signal.SIGCONT)
 
-        before = _rounds(out)
+        before = _rounds(metrics)
         coord.process.send_signal(signal.SIGKILL)
         coord.process.wait(10)
         restarted_at = time.time()
-        restarted = coordinator("coordinator-restarted")
+        restarted, metrics = coordinator("coordinator-restarted")
         listening = time.time() - restarted_at
         round_started = _wait(lambda: _round_started(restarted.log_path), 300, "a round after the restart") - restarted_at
-        _wait(lambda: _rounds(out) > before, 300, "a round completed after the restart")
+        _wait(lambda: _rounds(metrics) > before, 300, "a round completed after the restart", SCRAPE_INTERVAL_S)
         next_round = time.time() - restarted_at
     finally:
         group.stop_all(grace_s=5)

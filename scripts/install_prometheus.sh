@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install Debian's `prometheus` package (server + promtool) when the binary is missing; idempotent; print the version.
-# Used by tests/test_prometheus.py in CI (.ci/run) and by developers. Needs root or sudo, and an apt source.
+# Called by scripts/test.sh (the README's test command) for tests/test_prometheus.py; developers may run it alone. Needs root or sudo, and an apt source.
 # On a host with systemd the package also enables a system-wide prometheus on :9090; the test never uses that one
 # (it starts its own on a free port), so the script leaves the service alone.
 set -euo pipefail

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The README's test command: make the venv, install fedsynth with its test extras, install the system programs the
+# tests drive (Prometheus, nftables, iproute2) when they are missing, then run pytest.
+# Arguments go to pytest; without any, the README's selection: every test but those needing ../shared/data.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+as_root() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"
+  elif command -v sudo >/dev/null 2>&1; then sudo "$@"
+  else echo "scripts/test.sh: '$*' needs root or sudo" >&2; return 1
+  fi
+}
+
+apt_updated=0
+apt_install() {  # apt_install PACKAGE...: Debian packages, with one `apt-get update` per run
+  if [ "$apt_updated" -eq 0 ]; then as_root apt-get update -qq; apt_updated=1; fi
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+# A Debian python3 makes venvs only with python3-venv (ensurepip).
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv 2>/dev/null || { rm -rf .venv; apt_install python3-venv; python3 -m venv .venv; }
+fi
+.venv/bin/pip install -q --upgrade pip
+.venv/bin/pip install -q -e '.[dev]'
+
+# tests/test_prometheus.py and tests/test_metrics_tls.py: a real Prometheus scrapes real processes.
+bash scripts/install_prometheus.sh >/dev/null
+# tests/test_multihost.py: network namespaces (iproute2) with 2% packet loss (nftables).
+command -v ip >/dev/null || apt_install iproute2
+command -v nft >/dev/null || apt_install nftables
+
+if [ "$#" -eq 0 ]; then set -- -m "not shared_data"; fi
+# pytest exits 5 when it collected no test: a failure for us, and `set -e` passes it on.
+exec .venv/bin/python -m pytest "$@"

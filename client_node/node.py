@@ -57,9 +57,11 @@ class ClientState:
 
 
 class RunEnded(Exception):
-    def __init__(self, success: bool, reason: str) -> None:
+    def __init__(self, success: bool, reason: str, exit_code: int) -> None:
         super().__init__(reason)
         self.success = success
+        # The coordinator's exit code; a coordinator that predates the field sends 0 on failure too.
+        self.exit_code = exit_code if exit_code or success else EXIT_BELOW_QUORUM
 
 
 class LogicalClient:
@@ -86,8 +88,8 @@ class LogicalClient:
                 try:
                     self._session(stub)
                 except RunEnded as ended:
-                    log.info("client %d: run over (%s)", self.client_id, ended)
-                    return EXIT_OK if ended.success else EXIT_BELOW_QUORUM
+                    log.log(logging.INFO if ended.success else logging.ERROR, "client %d: run over (%s)", self.client_id, ended)
+                    return ended.exit_code
                 except StopRequested as stopped:  # nothing was uploaded; the synthetic cache is written atomically
                     log.info("client %d: %s", self.client_id, stopped)
                     break
@@ -139,13 +141,16 @@ class LogicalClient:
         log.info("client %d: registered (N_k=%d, %d rounds done)", self.client_id, len(self.state.real_y), reply.completed_rounds)
         stream = stub.Subscribe(pb.SubscribeRequest(client_id=self.client_id, session=reply.session), timeout=SUBSCRIBE_TIMEOUT_S)
         self._stream = stream
+        beating = threading.Event()
+        threading.Thread(target=self._heartbeats, args=(stub, reply.session, cfg.runtime.heartbeat_s, beating),
+                         name=f"heartbeat-{self.client_id}", daemon=True).start()
         try:
             for message in stream:
                 kind = message.WhichOneof("kind")
                 if kind == "heartbeat":
                     continue
                 if kind == "finished":
-                    raise RunEnded(message.finished.success, message.finished.reason)
+                    raise RunEnded(message.finished.success, message.finished.reason, message.finished.exit_code)
                 if kind != "task":
                     raise WireError(f"expected a task header, got {kind}")
                 self._do_task(stub, reply.session, message.task, stream)
@@ -154,8 +159,20 @@ class LogicalClient:
                 return  # renew the dispatch stream
             raise
         finally:
+            beating.set()
             self._stream = None
             stream.cancel()
+
+    def _heartbeats(self, stub: pb_grpc.CoordinatorStub, session: str, every_s: float, done: threading.Event) -> None:
+        """Tell the coordinator this client is alive while its dispatch stream is open, training or not."""
+        request = pb.ClientHeartbeat(client_id=self.client_id, session=session)
+        while True:
+            try:
+                stub.Heartbeat(request, timeout=every_s)
+            except grpc.RpcError as exc:  # the stream and the other RPCs handle a lost link; this only reports it
+                log.debug("client %d: heartbeat failed: %s", self.client_id, exc.code() if isinstance(exc, grpc.Call) else exc)
+            if done.wait(every_s):
+                return
 
     def _prepare(self, cfg: RunConfig) -> ClientState:
         shard = client_shard(cfg, self.client_id)

@@ -21,3 +21,4 @@ class TaskDelivery:
 class Finished:
     reason: str
     success: bool
+    exit_code: int  # the coordinator's (fedsynth.runtime EXIT_*); clients exit with it too

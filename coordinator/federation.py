@@ -103,6 +103,15 @@ class Federation:
     def close_stream(self, client_id: int, outbox: queue.Queue[Any]) -> None:
         self.registry.close_stream(client_id, outbox)
 
+    def heartbeat(self, client_id: int, session: str) -> bool:
+        return self.registry.heartbeat(client_id, session)
+
+    def check_liveness(self, stop: threading.Event) -> None:
+        """Until stop is set: drop clients whose heartbeats stopped (runs in a thread of its own)."""
+        runtime = self.cfg.runtime
+        while not stop.wait(min(runtime.heartbeat_s, runtime.heartbeat_timeout_s) / 2):
+            self.registry.drop_silent(runtime.heartbeat_timeout_s)
+
     def mark_delivered(self, client_id: int, task_id: str, num_bytes: int) -> None:
         with self.lock:
             rnd = self.driver.current

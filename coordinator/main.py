@@ -16,7 +16,8 @@ from fedsynth import grpcutil, tls
 from fedsynth.config import load_config
 from fedsynth.errors import QuorumError
 from fedsynth.metrics import add_metrics_arguments, serve_metrics_from_args
-from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_OK, setup_logging, write_atomic, write_json
+from fedsynth.partition import check_partition
+from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_INTERNAL, EXIT_OK, setup_logging, write_atomic, write_json
 
 log = logging.getLogger("coordinator")
 
@@ -38,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     security = tls.ServerSecurity.from_args(args, "coordinator")
     security.credentials()  # read and checked before anything else starts
     cfg = load_config(args.config, args.set)
+    check_partition(cfg)  # an impossible split fails here, in seconds, before the server binds
     torch.set_num_threads(cfg.runtime.torch_threads)
     out_dir = Path(args.out_dir or cfg.out_dir)
     host = security.bind_host(args.host, cfg.runtime.host)
@@ -61,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
         except QuorumError as exc:
             log.error("%s", exc)
             outcome.update(code=EXIT_BELOW_QUORUM, error=str(exc))
+        except Exception as exc:  # the clients were told (RunFinished); the record and the exit code say it too
+            log.exception("internal error in the round loop")
+            outcome.update(code=EXIT_INTERNAL, error=f"coordinator internal error: {type(exc).__name__}: {exc}")
 
     driver = threading.Thread(target=_drive, name="rounds", daemon=True)
     driver.start()
@@ -81,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
             "sdafl": federation.sdafl.privacy_report() if federation.sdafl is not None else None,
             "success": outcome.get("code") == EXIT_OK,
             "error": outcome.get("error"),
+            "exit_code": int(outcome.get("code", EXIT_BELOW_QUORUM)),
             "finished_unix": time.time(),
         },
     )

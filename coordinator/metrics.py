@@ -30,6 +30,9 @@ class CoordinatorMetrics:
         )
         self.clients_registered = Gauge("fedsynth_coordinator_clients_registered", "Clients registered", **kw)
         self.clients_connected = Gauge("fedsynth_coordinator_clients_connected", "Clients with an open dispatch stream", **kw)
+        self.clients_dropped = Counter(
+            "fedsynth_coordinator_clients_dropped_total", "Dispatch streams ended because the client's heartbeats stopped", **kw
+        )
         self.clients_participating = Gauge(
             "fedsynth_coordinator_clients_participating", "Clients whose update entered the last round", **kw
         )

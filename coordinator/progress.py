@@ -39,4 +39,4 @@ class ProgressFeed:
 
 
 def _finished_item(finished: Finished) -> dict[str, Any]:
-    return {"finished": True, "success": finished.success, "message": finished.reason}
+    return {"finished": True, "success": finished.success, "message": finished.reason, "exit_code": finished.exit_code}

@@ -28,6 +28,7 @@ class ClientRecord:
     outbox: queue.Queue[Any] | None = None
     generation: dict[str, Any] | None = None
     has_synthetic: bool = False  # SDA-FL: holds the current shared synthetic images
+    last_heartbeat: float | None = None  # monotonic time of its last Heartbeat RPC; None: it has sent none yet
 
 
 class ClientRegistry:
@@ -98,6 +99,28 @@ class ClientRegistry:
                 record.outbox = None
                 log.info("client %d disconnected", client_id)
             self._count_connected()
+
+    def heartbeat(self, client_id: int, session: str) -> bool:
+        """Note that the client is alive; True while its dispatch stream is open."""
+        with self.lock:
+            record = self.record(client_id, session)
+            record.last_heartbeat = time.monotonic()
+            return record.outbox is not None
+
+    def drop_silent(self, timeout_s: float) -> list[int]:
+        """End the dispatch stream of every client whose heartbeats stopped timeout_s ago (frozen, or its network
+        gone without a reset); a client that never sent one is left to gRPC keepalive."""
+        now = time.monotonic()
+        with self.lock:
+            silent = [r for r in self.clients.values()
+                      if r.outbox is not None and r.last_heartbeat is not None and now - r.last_heartbeat > timeout_s]
+            for record in silent:
+                log.warning("client %d dropped: no heartbeat for %.1fs", record.client_id, now - record.last_heartbeat)
+                self._close_outbox(record)
+                self.metrics.clients_dropped.inc()
+            if silent:
+                self._count_connected()
+        return [r.client_id for r in silent]
 
     def is_connected(self, client_id: int) -> bool:
         record = self.clients.get(client_id)

@@ -22,8 +22,10 @@ from coordinator.run_state import RunState
 from coordinator.sdafl_server import SdaflServer
 from fedsynth import codec
 from fedsynth.algorithms.base import Algorithm, snapshot_state
+from fedsynth.allocation import assigned_quota
 from fedsynth.config import RunConfig
 from fedsynth.errors import QuorumError
+from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_INTERNAL, EXIT_OK
 from fedsynth.training import TrainData, evaluate
 
 log = logging.getLogger(__name__)
@@ -64,9 +66,12 @@ class RoundDriver:
                 )
             for number in range(self.state.completed + 1, self.cfg.train.rounds + 1):
                 self._play_round(number)
-            self.finish(Finished(f"completed {self.cfg.train.rounds} rounds", True))
+            self.finish(Finished(f"completed {self.cfg.train.rounds} rounds", True, EXIT_OK))
         except QuorumError as exc:
-            self.finish(Finished(str(exc), False))
+            self.finish(Finished(str(exc), False, EXIT_BELOW_QUORUM))
+            raise
+        except Exception as exc:  # a bug or an unexpected failure: the clients must hear of it, not wait for a task
+            self.finish(Finished(f"coordinator internal error: {type(exc).__name__}: {exc}", False, EXIT_INTERNAL))
             raise
 
     def finish(self, finished: Finished) -> None:
@@ -105,19 +110,10 @@ class RoundDriver:
 
     def _matched_quota(self) -> np.ndarray | None:
         """Uniform / Missing-only quotas matched to B = the FedEAS total the clients report (or generation.budget)."""
-        policy = self.cfg.generation.policy
-        if policy not in ("uniform", "missing"):
-            return None
-        from fedsynth.allocation import matched_quota
-
-        k, c = self.cfg.data.clients, self.registry.num_classes
-        present = np.ones((k, c), dtype=np.int64)  # only absence matters to these rules, so 1 stands for "present"
-        for record in self.registry.clients.values():
-            present[record.client_id, list(record.missing_classes)] = 0
-        total = self.cfg.generation.budget
-        if total is None:
-            total = sum(r.fedeas_images for r in self.registry.clients.values())
-        return matched_quota(policy, present, int(total))
+        clients = self.registry.clients.values()
+        return assigned_quota(self.cfg.generation.policy, (self.cfg.data.clients, self.registry.num_classes),
+                              missing={r.client_id: r.missing_classes for r in clients},
+                              fedeas_totals=[r.fedeas_images for r in clients], budget=self.cfg.generation.budget)
 
     # ---- one round -----------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from fedsynth.v1 import coordinator_pb2_grpc
 CLAIMED_CLIENT_ID: dict[str, tls.ClaimedClientId] = {
     "Register": lambda request: request.client_id,
     "Subscribe": lambda request: request.client_id,
+    "Heartbeat": lambda request: request.client_id,
     "SubmitUpdate": lambda first: first.header.client_id if first.WhichOneof("kind") == "header" else None,
     "UploadSynthetic": lambda first: first.header.client_id if first.WhichOneof("kind") == "header" else None,
 }
@@ -31,9 +33,11 @@ class CoordinatorServer:
     health: health.HealthServicer
     federation: Federation
     port: int
+    liveness_stop: threading.Event
 
     def stop(self, grace_s: float = 2.0) -> None:
         """Graceful: health says NOT_SERVING, open dispatch streams end, in-flight RPCs get grace_s."""
+        self.liveness_stop.set()
         self.health.enter_graceful_shutdown()
         self.federation.close_streams()
         self.server.stop(grace=grace_s).wait(grace_s + 3.0)
@@ -61,4 +65,6 @@ def create_server(
     bound = grpcutil.bind(server, f"{host}:{port}", credentials)
     server.start()
     grpcutil.set_serving(health_servicer, SERVICE_NAME)
-    return CoordinatorServer(server, health_servicer, federation, bound), bound
+    liveness_stop = threading.Event()
+    threading.Thread(target=federation.check_liveness, args=(liveness_stop,), name="liveness", daemon=True).start()
+    return CoordinatorServer(server, health_servicer, federation, bound, liveness_stop), bound

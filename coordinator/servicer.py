@@ -78,11 +78,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if item is None:  # superseded by a newer stream of the same client
                 return
             if isinstance(item, Finished):
-                yield pb.ServerMessage(finished=pb.RunFinished(reason=item.reason, success=item.success))
+                yield pb.ServerMessage(finished=pb.RunFinished(reason=item.reason, success=item.success, exit_code=item.exit_code))
                 return
             yield from _task_messages(item)
             self.federation.mark_delivered(request.client_id, item.task_id, item.meta.total_bytes)
             self.federation.metrics.bytes_sent.inc(item.meta.total_bytes)
+
+    def Heartbeat(self, request: pb.ClientHeartbeat, context: grpc.ServicerContext) -> pb.HeartbeatReply:
+        try:
+            connected = self.federation.heartbeat(request.client_id, request.session)
+        except StateError as exc:
+            _abort_for(context, exc)
+        return pb.HeartbeatReply(connected=connected)
 
     def SubmitUpdate(self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext) -> pb.SubmitReply:
         try:
@@ -170,7 +177,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             except queue.Empty:
                 continue
             if item.get("finished"):
-                yield pb.RoundSummary(total_rounds=total, finished=True, success=item["success"], message=item["message"])
+                yield pb.RoundSummary(total_rounds=total, finished=True, success=item["success"], message=item["message"],
+                                      exit_code=item["exit_code"])
                 return
             yield pb.RoundSummary(
                 round=item["round"],

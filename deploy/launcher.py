@@ -6,6 +6,7 @@ import argparse
 import logging
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -14,20 +15,20 @@ from pathlib import Path
 import grpc
 from tqdm import tqdm
 
-from deploy.processes import ProcessGroup, fedsynth_command, wait_for_file
+from deploy.processes import ChildFailed, ProcessGroup, fedsynth_command, log_tail, wait_for_file
 from deploy.report import LAST_N, build_report, load_coordinator_record
 from deploy.scrape import scrape, total
 from fedsynth import grpcutil, tls
 from fedsynth.config import RunConfig, load_config
 from fedsynth.generator_names import DEVICE_SECONDS_TOTAL, IMAGES_TOTAL, INFO, REQUESTS_TOTAL, SERVICE_NAME
-from fedsynth.errors import ConfigError
 from fedsynth.partition import check_partition
-from fedsynth.runtime import EXIT_INTERRUPTED, setup_logging, write_json
+from fedsynth.runtime import EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED, setup_logging, write_json
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger("launcher")
 START_TIMEOUT_S = 120.0
+EXIT_TIMEOUT_S = 60.0  # for the coordinator after its last message; clients get less once it is gone
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,10 +54,12 @@ class Launcher:
         self.generation_setup_s = 0.0
         self.generator_metrics_file: Path | None = None
         self._following = False
+        self.failures: list[dict[str, object]] = []  # children that exited non-zero on their own, in that order
         # runtime.tls_dir: every role over mutual TLS, the launcher itself as `operator`; else plaintext on this machine.
         tls_dir = cfg.runtime.tls_dir
         self.tls_flags = ["--tls-dir", tls_dir] if tls_dir else ["--insecure"]
-        self.credentials = tls.channel_credentials(tls.TLSFiles.from_dir(Path(tls_dir), "operator")) if tls_dir else None
+        self.operator = tls.TLSFiles.from_dir(Path(tls_dir), "operator") if tls_dir else None  # also for HTTPS /metrics
+        self.credentials = tls.channel_credentials(self.operator) if self.operator is not None else None
 
     def _config_args(self) -> list[str]:
         config = ["--config", self.args.config] if self.args.config else []
@@ -148,15 +151,34 @@ class Launcher:
             channel.close()
         return False
 
+    def note_failures(self) -> None:
+        """Record (once each) the children that have exited non-zero, with the tail of their log."""
+        reported = {f["pid"] for f in self.failures}
+        for child in self.group.children:
+            code = child.process.poll()
+            if code not in (None, 0) and child.pid not in reported:
+                failure = ChildFailed(child, code, f"exited with code {code}:\n  {log_tail(child)}").describe()
+                self.failures.append(failure)
+                log.error("%s (pid %d) exited with code %s; see %s", child.role, child.pid, code, child.log_path)
+
+    def wait_for_exits(self, timeout_s: float) -> int:
+        """The coordinator's exit code once it has exited; then the clients (told by RunFinished) get a few
+        seconds to exit on their own, so that their codes are recorded before the rest are stopped."""
+        try:
+            code = self.coordinator.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise ChildFailed(self.coordinator, None, f"did not exit within {timeout_s:.0f}s after the run ended") from None
+        clients = [c for c in self.group.children if c.role.startswith("client")]
+        stop_at = time.monotonic() + 10.0
+        while any(c.process.poll() is None for c in clients) and time.monotonic() < stop_at:
+            time.sleep(0.1)
+        self.note_failures()
+        return code
+
     def _watch_children(self, call: grpc.Future) -> None:
         """Stop following when the coordinator process is gone; say so when a child fails early."""
-        reported: set[int] = set()
         while self._following:
-            for child in self.group.children:
-                code = child.process.poll()
-                if code not in (None, 0) and child.pid not in reported:
-                    reported.add(child.pid)
-                    log.error("%s (pid %d) exited with code %s; see %s", child.role, child.pid, code, child.log_path)
+            self.note_failures()
             if self.coordinator.process.poll() is not None:
                 call.cancel()
                 return
@@ -168,7 +190,9 @@ class Launcher:
             return None
         port = self.generator_metrics_file.read_text().strip()
         try:
-            values = scrape(f"http://127.0.0.1:{port}/metrics")
+            # Under TLS the generator serves /metrics over HTTPS only, and wants a client certificate of the CA.
+            scheme = "http" if self.operator is None else "https"
+            values = scrape(f"{scheme}://127.0.0.1:{port}/metrics", tls=self.operator)
         except OSError as exc:
             log.warning("could not read the generator's metrics: %s", exc)
             return None
@@ -196,21 +220,25 @@ def run(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _on_signal)
+    counters = None
+    success = False
     try:
         generator = launcher.start_generator()
         coordinator = launcher.start_coordinator()
         launcher.start_clients(coordinator, generator)
         log.info("run folder %s; logs in %s", out_dir, launcher.group.log_dir)
         success = launcher.follow(coordinator)
-        code = launcher.coordinator.process.wait(timeout=60)
+        code = launcher.wait_for_exits(EXIT_TIMEOUT_S)
         counters = launcher.generator_counters()
     except KeyboardInterrupt:
         log.warning("interrupted: stopping every process (the checkpoint keeps completed rounds)")
         launcher.group.stop_all()
         return EXIT_INTERRUPTED
-    except (RuntimeError, TimeoutError) as exc:
-        launcher.group.stop_all()
-        raise ConfigError(str(exc)) from exc
+    except ChildFailed as exc:  # a child died or hung where it should have run on: name it, keep its log
+        log.error("%s", exc)
+        launcher.failures.insert(0, exc.describe())
+        # A child that refused its arguments exits 1 (bad input); anything else is a failure of the run itself.
+        code = EXIT_ERROR if exc.exit_code == EXIT_ERROR else EXIT_INTERNAL
     finally:
         launcher.group.stop_all()
     record = load_coordinator_record(out_dir)
@@ -221,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
         generation_wall_s=launcher.generation_setup_s,
         generator_counters=counters,
     )
+    report["failures"] = launcher.failures
+    report["exit_code"] = code if code else (0 if success else EXIT_ERROR)
     write_json(out_dir / "report.json", report)
     from deploy.report_render import render_report  # matplotlib loads only here
     render_report(out_dir)  # report.md and plots/ beside report.json
@@ -230,4 +260,8 @@ def run(args: argparse.Namespace) -> int:
             report["final_accuracy"], min(LAST_N, len(report["rounds"])), report["last20_mean_accuracy"],
             report["generation"]["total_images"], report["wall_clock_s"], out_dir / "report.json",
         )
-    return code if code else (0 if success else 1)
+    if launcher.failures:
+        first = launcher.failures[0]
+        log.error("run failed: %s (pid %s) exited with code %s; see %s and report.json", first["process"], first["pid"],
+                  first["exit_code"], first["log"])
+    return int(report["exit_code"])

@@ -83,6 +83,24 @@ def _kill_group(pgid: int) -> None:
         pass  # nothing left in it
 
 
+class ChildFailed(RuntimeError):
+    """A child exited (exit_code set) or hung (exit_code None) where it should have run on; the message names it."""
+
+    def __init__(self, child: Child, exit_code: int | None, why: str) -> None:
+        super().__init__(f"{child.role} (pid {child.pid}) {why}")
+        self.child = child
+        self.exit_code = exit_code
+
+    def describe(self) -> dict[str, object]:
+        """What report.json says of the failure."""
+        return {"process": self.child.role, "pid": self.child.pid, "exit_code": self.exit_code, "reason": str(self),
+                "log": str(self.child.log_path)}
+
+
+def log_tail(child: Child, lines: int = 5) -> str:
+    return "\n  ".join(child.log_path.read_text(errors="replace").strip().splitlines()[-lines:])
+
+
 def wait_for_file(path: Path, child: Child, *, timeout_s: float) -> str:
     """The content of a file a child writes once it is ready; fails early if the child exits first."""
     stop_at = time.monotonic() + timeout_s
@@ -91,7 +109,6 @@ def wait_for_file(path: Path, child: Child, *, timeout_s: float) -> str:
             return path.read_text().strip()
         code = child.process.poll()
         if code is not None:
-            tail = child.log_path.read_text(errors="replace").strip().splitlines()[-5:]
-            raise RuntimeError(f"{child.role} exited with code {code} before it was ready:\n  " + "\n  ".join(tail))
+            raise ChildFailed(child, code, f"exited with code {code} before it was ready:\n  {log_tail(child)}")
         time.sleep(0.05)
-    raise TimeoutError(f"{child.role} did not write {path} within {timeout_s:.0f}s (log: {child.log_path})")
+    raise ChildFailed(child, None, f"did not write {path} within {timeout_s:.0f}s (log: {child.log_path})")

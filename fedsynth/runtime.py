@@ -15,6 +15,7 @@ from typing import Any
 EXIT_OK = 0
 EXIT_ERROR = 1  # bad configuration or input (the message names it)
 EXIT_BELOW_QUORUM = 3  # too few clients registered or answered; the run cannot go on
+EXIT_INTERNAL = 4  # an unexpected failure inside the coordinator (a bug): the message is in its log and coordinator.json
 EXIT_INTERRUPTED = 130
 
 

@@ -115,7 +115,8 @@ class Runtime:
         self._names[base] = self._names.get(base, 0) + 1
         return base if self._names[base] == 1 else f"{base}.{self._names[base]}"
 
-    def coordinator(self, settings: dict[str, Any], out_dir: Path, *, port: int = 0) -> CoordinatorProcess:
+    def coordinator(self, settings: dict[str, Any], out_dir: Path, *, port: int = 0,
+                    env: dict[str, str] | None = None) -> CoordinatorProcess:
         """Start `fedsynth coordinator` and wait (bounded) until it has bound its port."""
         role = self._role("coordinator")
         port_file = self.root / f"{role}.port"
@@ -125,7 +126,7 @@ class Runtime:
             "coordinator", *sets, "--out-dir", str(out_dir), "--host", "127.0.0.1", "--port", str(port), "--port-file", str(port_file),
             "--insecure",
         )
-        child = self.group.start(role, command)
+        child = self.group.start(role, command, env=env)
         bound = int(wait_for_file(port_file, child, timeout_s=START_TIMEOUT_S))
         return CoordinatorProcess(child, out_dir, bound)
 

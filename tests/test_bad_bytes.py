@@ -27,6 +27,7 @@ COORDINATOR_METHODS = {  # method -> (request streaming, response streaming, a v
     "GetRunSpec": (False, False, pb.GetRunSpecRequest()),
     "Register": (False, False, pb.RegisterRequest(client_id=1, num_samples=5, run_id="x" * 16)),
     "Subscribe": (False, True, pb.SubscribeRequest(client_id=1, session="s" * 32)),
+    "Heartbeat": (False, False, pb.ClientHeartbeat(client_id=1, session="s" * 32)),
     "SubmitUpdate": (True, False, pb.UpdateChunk(header=pb.UpdateHeader(client_id=1, session="s" * 32, task_id="t" * 16))),
     "WatchRounds": (False, True, pb.WatchRequest()),
     "UploadSynthetic": (True, False, pb.SyntheticChunk(header=pb.SyntheticHeader(client_id=1, session="s" * 32, dtype="uint8"))),

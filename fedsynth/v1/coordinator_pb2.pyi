@@ -54,6 +54,20 @@ class SubscribeRequest(_message.Message):
     session: str
     def __init__(self, client_id: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
+class ClientHeartbeat(_message.Message):
+    __slots__ = ("client_id", "session")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    session: str
+    def __init__(self, client_id: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("connected",)
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    connected: bool
+    def __init__(self, connected: _Optional[bool] = ...) -> None: ...
+
 class Payload(_message.Message):
     __slots__ = ("total_bytes", "sha256", "num_chunks")
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -87,12 +101,14 @@ class Task(_message.Message):
     def __init__(self, round: _Optional[int] = ..., task_id: _Optional[str] = ..., deadline_s: _Optional[float] = ..., generation_quota: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
 
 class RunFinished(_message.Message):
-    __slots__ = ("reason", "success")
+    __slots__ = ("reason", "success", "exit_code")
     REASON_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     reason: str
     success: bool
-    def __init__(self, reason: _Optional[str] = ..., success: _Optional[bool] = ...) -> None: ...
+    exit_code: int
+    def __init__(self, reason: _Optional[str] = ..., success: _Optional[bool] = ..., exit_code: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("unix_time",)
@@ -165,7 +181,7 @@ class WatchRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RoundSummary(_message.Message):
-    __slots__ = ("round", "total_rounds", "accuracy", "loss", "duration_s", "participants", "finished", "success", "message")
+    __slots__ = ("round", "total_rounds", "accuracy", "loss", "duration_s", "participants", "finished", "success", "message", "exit_code")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TOTAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     ACCURACY_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +191,7 @@ class RoundSummary(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     round: int
     total_rounds: int
     accuracy: float
@@ -184,7 +201,8 @@ class RoundSummary(_message.Message):
     finished: bool
     success: bool
     message: str
-    def __init__(self, round: _Optional[int] = ..., total_rounds: _Optional[int] = ..., accuracy: _Optional[float] = ..., loss: _Optional[float] = ..., duration_s: _Optional[float] = ..., participants: _Optional[int] = ..., finished: _Optional[bool] = ..., success: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+    exit_code: int
+    def __init__(self, round: _Optional[int] = ..., total_rounds: _Optional[int] = ..., accuracy: _Optional[float] = ..., loss: _Optional[float] = ..., duration_s: _Optional[float] = ..., participants: _Optional[int] = ..., finished: _Optional[bool] = ..., success: _Optional[bool] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ...) -> None: ...
 
 class SyntheticHeader(_message.Message):
     __slots__ = ("client_id", "session", "count", "height", "width", "channels", "dtype", "payload", "epsilon", "delta", "noise_multiplier", "gan_seconds")

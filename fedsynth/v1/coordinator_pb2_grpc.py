@@ -49,6 +49,11 @@ class CoordinatorStub:
                 request_serializer=fedsynth_dot_v1_dot_coordinator__pb2.SubscribeRequest.SerializeToString,
                 response_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.ServerMessage.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/fedsynth.v1.Coordinator/Heartbeat',
+                request_serializer=fedsynth_dot_v1_dot_coordinator__pb2.ClientHeartbeat.SerializeToString,
+                response_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.HeartbeatReply.FromString,
+                _registered_method=True)
         self.SubmitUpdate = channel.stream_unary(
                 '/fedsynth.v1.Coordinator/SubmitUpdate',
                 request_serializer=fedsynth_dot_v1_dot_coordinator__pb2.UpdateChunk.SerializeToString,
@@ -85,6 +90,14 @@ class CoordinatorServicer:
 
     def Subscribe(self, request, context):
         """Pushes tasks (a header, then payload chunks), heartbeats and the end of the run.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """The dispatch stream's liveness: a client sends one every runtime.heartbeat_s from a thread of its own (never
+        blocked by training); one silent for runtime.heartbeat_timeout_s is dropped and its stream ended.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -128,6 +141,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Subscribe,
                     request_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.SubscribeRequest.FromString,
                     response_serializer=fedsynth_dot_v1_dot_coordinator__pb2.ServerMessage.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.ClientHeartbeat.FromString,
+                    response_serializer=fedsynth_dot_v1_dot_coordinator__pb2.HeartbeatReply.SerializeToString,
             ),
             'SubmitUpdate': grpc.stream_unary_rpc_method_handler(
                     servicer.SubmitUpdate,
@@ -226,6 +244,33 @@ class Coordinator:
             '/fedsynth.v1.Coordinator/Subscribe',
             fedsynth_dot_v1_dot_coordinator__pb2.SubscribeRequest.SerializeToString,
             fedsynth_dot_v1_dot_coordinator__pb2.ServerMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedsynth.v1.Coordinator/Heartbeat',
+            fedsynth_dot_v1_dot_coordinator__pb2.ClientHeartbeat.SerializeToString,
+            fedsynth_dot_v1_dot_coordinator__pb2.HeartbeatReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,10 +15,9 @@ import torch
 
 from client_node.metrics import ClientMetrics
 from client_node.sdafl_client import ensure_samples, upload
-from client_node.synthesis import SyntheticSet, synthesize
+from client_node.synthesis import SyntheticSet, fedeas_total, synthesize
 from fedsynth import codec, grpcutil
 from fedsynth.algorithms.base import snapshot_state
-from fedsynth.allocation import fedeas_generation_row
 from fedsynth.assembly import algorithm_for, client_shard, local_train_config, round_generator
 from fedsynth.config import RunConfig, from_json
 from fedsynth.errors import FedsynthError, StopRequested, WireError
@@ -125,7 +124,7 @@ class LogicalClient:
             pb.RegisterRequest(
                 client_id=self.client_id,
                 num_samples=len(self.state.real_y),
-                fedeas_images=int(fedeas_generation_row(counts, cfg.generation.beta).sum()) if cfg.generation.policy != "none" else 0,
+                fedeas_images=fedeas_total(cfg, counts),
                 missing_classes=[int(c) for c in np.flatnonzero(counts == 0)] if cfg.generation.policy == "missing" else [],
                 run_id=spec.run_id,
                 synthetic_digest=self.state.shared_digest,

@@ -30,12 +30,21 @@ class SyntheticSet:
         return len(self.y)
 
 
-def planned_quota(cfg: RunConfig, counts: np.ndarray, assigned: list[int]) -> np.ndarray:
-    """Images per class: computed from this client's own counts (fedeas, full) or assigned (uniform, missing)."""
+def planned_quota(cfg: RunConfig, counts: np.ndarray, assigned: list[int], *, policy: str | None = None) -> np.ndarray:
+    """Images per class: computed from this client's own counts (fedeas, full) or assigned (uniform, missing), under
+    the run's FedEAS rule (generation.beta, exponent, entropy_factor). `policy` overrides the run's."""
+    g = cfg.generation
     try:
-        return client_quota(cfg.generation.policy, counts, beta=cfg.generation.beta, assigned=assigned)
+        return client_quota(policy or g.policy, counts, beta=g.beta, assigned=assigned, exponent=g.exponent,
+                            entropy_factor=g.entropy_factor)
     except DataError as exc:
         raise WireError(f"the coordinator's quota does not fit this client: {exc}") from exc
+
+
+def fedeas_total(cfg: RunConfig, counts: np.ndarray) -> int:
+    """The FedEAS images this client would generate (reported at registration: uniform / missing are matched to the
+    sum); 0 when the run generates nothing."""
+    return 0 if cfg.generation.policy == "none" else int(planned_quota(cfg, counts, [], policy="fedeas").sum())
 
 
 def synthesize(

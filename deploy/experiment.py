@@ -41,17 +41,19 @@ def config_differences(old: dict[str, Any] | None, new: dict[str, Any], *, resul
     if results_only and _generates_nothing(a) and _generates_nothing(b):
         a, b = {**a, "generation": {"policy": "none"}}, {**b, "generation": {"policy": "none"}}
 
-    def walk(a: dict[str, Any], b: dict[str, Any], prefix: str) -> list[str]:
+    def walk(a: dict[str, Any], b: dict[str, Any], defaults: dict[str, Any], prefix: str) -> list[str]:
         found = []
         for key in sorted(set(a) | set(b)):
             x, y = a.get(key), b.get(key)
             if isinstance(x, dict) and isinstance(y, dict):
-                found += walk(x, y, f"{prefix}{key}.")
+                found += walk(x, y, defaults.get(key) or {}, f"{prefix}{key}.")
+            elif key not in a and key in defaults and y == defaults[key]:
+                continue  # a key added to the config after the old run, at its default (e.g. generation.exponent)
             elif x != y:
                 found.append(f"{prefix}{key}: {x!r} -> {y!r}")
         return found
 
-    return walk(a, b, "")
+    return walk(a, b, RunConfig().to_dict(), "")
 
 
 def previous_run(arm_dir: Path, cfg: RunConfig) -> tuple[str, str | None]:

@@ -15,6 +15,7 @@ from fedsynth.allocation import (
     DEFAULT_BETAS,
     MAX_SYNTHETIC,
     MIN_REMOVED,
+    PAPER_EXPONENT,
     POLICIES,
     beta_path,
     fedeas_budgets,
@@ -27,7 +28,7 @@ from fedsynth.allocation import (
     validate_beta,
     validate_counts,
 )
-from fedsynth.config_schema import PARTITIONS
+from fedsynth.config_schema import MAX_EXPONENT, PARTITIONS
 from fedsynth.errors import ConfigError, DataError
 
 DEFAULT_BETA = 12.0
@@ -52,6 +53,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     policy.add_argument("--beta", type=float, default=DEFAULT_BETA, help="FedEAS beta (default 12)")
     policy.add_argument(
         "--budget", type=int, help="total images for uniform/missing (default: the FedEAS total at --beta)"
+    )
+    policy.add_argument(
+        "--exponent", type=float, default=PAPER_EXPONENT,
+        help=f"FedEAS b_k grows as (N_k / C)^exponent, in [0, {MAX_EXPONENT:g}] (default 0.5, the paper's sqrt; "
+        "1.0 is its linear ablation)",
+    )
+    policy.add_argument(
+        "--no-entropy-factor", dest="entropy_factor", action="store_false",
+        help="drop the (1 - H_k / ln C) factor from b_k (the paper's entropy ablation)",
     )
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -117,22 +127,28 @@ def load_source(args: argparse.Namespace) -> Source:
     return _partition_counts(args)
 
 
-def build_plan(counts: np.ndarray, policy: str, beta: float, budget: int | None) -> dict[str, Any]:
-    """Everything `plan` reports, as plain JSON-ready values."""
-    generation = generation_matrix(policy, counts, beta=beta, budget=budget)
+def build_plan(
+    counts: np.ndarray, policy: str, beta: float, budget: int | None, *, exponent: float = PAPER_EXPONENT, entropy_factor: bool = True
+) -> dict[str, Any]:
+    """Everything `plan` reports, as plain JSON-ready values. exponent and entropy_factor set FedEAS's rule (the
+    matched baselines spend its total); the beta rule's path uses the same rule."""
+    rule = {"exponent": exponent, "entropy_factor": entropy_factor}
+    generation = generation_matrix(policy, counts, beta=beta, budget=budget, **rule)
     full_total = int(full_balance(counts).sum())
     total = int(generation.sum())
     before, after = imbalance_score(counts), imbalance_score(counts, generation)
-    selected = select_beta(beta_path(counts, DEFAULT_BETAS))
+    selected = select_beta(beta_path(counts, DEFAULT_BETAS, **rule))
     return {
         "policy": policy,
         "beta": beta,
+        "exponent": exponent,
+        "entropy_factor": entropy_factor,
         "budget": budget,
         "num_clients": int(counts.shape[0]),
         "num_classes": int(counts.shape[1]),
         "counts": counts.tolist(),
         "generation": generation.tolist(),
-        "client_budgets": fedeas_budgets(counts, beta).tolist() if policy == "fedeas" else None,
+        "client_budgets": fedeas_budgets(counts, beta, **rule).tolist() if policy == "fedeas" else None,
         "client_sizes": counts.sum(axis=1).tolist(),
         "normalized_entropy": [round(float(h), 6) for h in normalized_entropies(counts)],
         "client_totals": generation.sum(axis=1).tolist(),
@@ -154,6 +170,8 @@ def format_plan(plan: dict[str, Any], source: dict[str, Any]) -> str:
     lines = [
         f"policy {plan['policy']}, beta {plan['beta']:g}"
         + (f", budget {plan['budget']}" if plan["budget"] is not None else "")
+        + (f", exponent {plan['exponent']:g}" if plan["exponent"] != PAPER_EXPONENT else "")
+        + ("" if plan["entropy_factor"] else ", no entropy factor")
         + f"; {plan['num_clients']} clients x {plan['num_classes']} classes ({where})",
         "",
         f"{'client':>6} {'N_k':>7} {'H~_k':>6} {'b_k':>6} {'images':>7} {'classes filled':>15}",
@@ -183,14 +201,17 @@ def format_plan(plan: dict[str, Any], source: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     beta = validate_beta(args.beta)
+    if not (math.isfinite(args.exponent) and 0 <= args.exponent <= MAX_EXPONENT):
+        raise ConfigError(f"--exponent must be in [0, {MAX_EXPONENT:g}], got {args.exponent}")
     if args.budget is not None and args.budget < 0:
         raise ConfigError(f"--budget must be >= 0, got {args.budget}")
     source = load_source(args)
-    plan = build_plan(source.counts, args.policy, beta, args.budget)
+    rule = {"exponent": args.exponent, "entropy_factor": args.entropy_factor}
+    plan = build_plan(source.counts, args.policy, beta, args.budget, **rule)
     if args.plot is not None:
         from fedsynth.plan_plots import write_plan_figures
 
-        written = write_plan_figures(source.counts, beta, Path(args.plot))
+        written = write_plan_figures(source.counts, beta, Path(args.plot), **rule)
         plan["plots"] = [str(path) for path in written]
     if args.json:
         print(json.dumps({**plan, "source": source.description}))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -39,11 +40,11 @@ def _save(fig, path: Path) -> Path:  # type: ignore[no-untyped-def]
     return path
 
 
-def plot_demand_per_client(counts: np.ndarray, beta: float, path: Path) -> Path:
+def plot_demand_per_client(counts: np.ndarray, beta: float, path: Path, **rule: Any) -> Path:
     """Fig. 1a: images each client needs under Full-Balance vs what FedEAS generates."""
     plt = _pyplot()
     full = full_balance(counts).sum(axis=1)
-    fedeas = fedeas_generation(counts, beta).sum(axis=1)
+    fedeas = fedeas_generation(counts, beta, **rule).sum(axis=1)
     clients = np.arange(len(counts))
     fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(counts)), 3.8))
     ax.bar(
@@ -66,7 +67,7 @@ def plot_demand_per_client(counts: np.ndarray, beta: float, path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_cumulative_shares(counts: np.ndarray, beta: float, path: Path) -> Path:
+def plot_cumulative_shares(counts: np.ndarray, beta: float, path: Path, **rule: Any) -> Path:
     """Fig. 2a: clients sorted by their share of I; cumulative share of I and of each policy's images."""
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
@@ -83,7 +84,7 @@ def plot_cumulative_shares(counts: np.ndarray, beta: float, path: Path) -> Path:
     ax.plot(x, cumulative(terms), "k-o", ms=3, label="imbalance I")
     ax.plot(
         x,
-        cumulative(fedeas_generation(counts, beta).sum(axis=1).astype(float)),
+        cumulative(fedeas_generation(counts, beta, **rule).sum(axis=1).astype(float)),
         "-s",
         ms=3,
         color="#4c72b0",
@@ -108,11 +109,11 @@ def plot_cumulative_shares(counts: np.ndarray, beta: float, path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_reduction_vs_budget(counts: np.ndarray, beta: float, path: Path) -> Path:
+def plot_reduction_vs_budget(counts: np.ndarray, beta: float, path: Path, **rule: Any) -> Path:
     """Fig. 2b: 1 - I(B)/I(0) against the total budget B for Uniform, FedEAS over beta and the greedy reference."""
     plt = _pyplot()
     betas = [b for b in DEFAULT_BETAS if b <= max(24.0, 2 * beta)]
-    points = beta_path(counts, sorted(set(betas) | {beta}))
+    points = beta_path(counts, sorted(set(betas) | {beta}), **rule)
     max_total = max(p.total for p in points)
     greedy = greedy_path(counts, max_total)
     before = greedy.imbalance[0]
@@ -148,10 +149,10 @@ def plot_reduction_vs_budget(counts: np.ndarray, beta: float, path: Path) -> Pat
     return _save(fig, path)
 
 
-def plot_beta_selection(counts: np.ndarray, beta: float, path: Path) -> Path:
+def plot_beta_selection(counts: np.ndarray, beta: float, path: Path, **rule: Any) -> Path:
     """Fig. 5b: the FedEAS beta path in (synthetic fraction, imbalance removed) with the selection region."""
     plt = _pyplot()
-    points = beta_path(counts, sorted(set(DEFAULT_BETAS) | {beta}))
+    points = beta_path(counts, sorted(set(DEFAULT_BETAS) | {beta}), **rule)
     selected = select_beta(points)
     fractions = np.array([p.synthetic_fraction for p in points])
     removed = np.array([p.imbalance_removed for p in points])
@@ -212,10 +213,11 @@ FIGURES = {
 }
 
 
-def write_plan_figures(counts: np.ndarray, beta: float, out_dir: Path) -> list[Path]:
-    """Write every figure into out_dir (created if needed); returns the paths."""
+def write_plan_figures(counts: np.ndarray, beta: float, out_dir: Path, **rule: Any) -> list[Path]:
+    """Write every figure into out_dir (created if needed); returns the paths. `rule` (exponent, entropy_factor)
+    goes to every FedEAS computation."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"--plot folder {str(out_dir)!r} cannot be created ({exc})") from exc
-    return [plot(counts, beta, out_dir / name) for name, plot in FIGURES.items()]
+    return [plot(counts, beta, out_dir / name, **rule) for name, plot in FIGURES.items()]

@@ -8,16 +8,20 @@ import math
 FLOOR_SLACK = 1e-9
 
 
-def fedeas_budget(row: list[int], beta: float) -> int:
-    """b_k = floor(sqrt(N_k / C) * (1 - H_k / ln C) * beta), H_k the Shannon entropy with 0 ln 0 = 0."""
+def fedeas_budget(row: list[int], beta: float, *, exponent: float = 0.5, entropy_factor: bool = True) -> int:
+    """b_k = floor(sqrt(N_k / C) * (1 - H_k / ln C) * beta), H_k the Shannon entropy with 0 ln 0 = 0.
+
+    The paper's ablations (Table 2): (N_k / C) ** exponent instead of the sqrt, and no (1 - H_k / ln C) factor."""
     size, classes = sum(row), len(row)
     entropy = -sum(n / size * math.log(n / size) for n in row if n > 0)
-    return math.floor(math.sqrt(size / classes) * (1 - entropy / math.log(classes)) * beta + FLOOR_SLACK)
+    skew = 1 - entropy / math.log(classes) if entropy_factor else 1.0
+    return math.floor((size / classes) ** exponent * skew * beta + FLOOR_SLACK)
 
 
-def fedeas(counts: list[list[int]], beta: float) -> list[list[int]]:
+def fedeas(counts: list[list[int]], beta: float, *, exponent: float = 0.5, entropy_factor: bool = True) -> list[list[int]]:
     """max(0, b_k - n_k^c) for every client and class."""
-    return [[max(0, fedeas_budget(row, beta) - n) for n in row] for row in counts]
+    rule = {"exponent": exponent, "entropy_factor": entropy_factor}
+    return [[max(0, fedeas_budget(row, beta, **rule) - n) for n in row] for row in counts]
 
 
 def matched(counts: list[list[int]], total: int, *, missing_only: bool) -> list[list[int]]:

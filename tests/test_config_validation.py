@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import random
 import re
@@ -62,6 +63,8 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "generation.guidance": ("float", [-3, -0.001, 101]),
     "generation.train_steps": ("int", [0]),
     "generation.size": ("str", ["huge", "Tiny", ""]),
+    "generation.exponent": ("float", [-0.5, 2.5]),
+    "generation.entropy_factor": ("bool", []),
     "runtime.host": ("str", [""]),
     "runtime.coordinator_port": ("int", [-1, 65536]),
     "runtime.round_timeout_s": ("float", [0, -1]),
@@ -381,3 +384,30 @@ def test_the_coordinator_refuses_an_impossible_split_before_serving(tmp_path: Pa
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("fedsynth coordinator: error: data.clients=100"), result.stderr
     assert not any(tmp_path.iterdir()), "no port file, no output folder"
+
+
+def test_fedeas_ablation_keys_read_from_set_and_change_the_fingerprint_only_off_the_paper_rule() -> None:
+    paper = load_config(None, ["generation.exponent=0.5", "generation.entropy_factor=true"])
+    assert paper == load_config(None) and (paper.generation.exponent, paper.generation.entropy_factor) == (0.5, True)
+    ablated = load_config(None, ["generation.exponent=1", "generation.entropy_factor=false"])
+    assert ablated.generation.exponent == 1.0 and isinstance(ablated.generation.exponent, float)
+    assert ablated.generation.entropy_factor is False
+    assert from_json(to_json(ablated)) == ablated
+    # a checkpoint written before the keys existed resumes: at the paper's rule they are not in the fingerprint
+    content = paper.to_dict()
+    for key in ("out_dir", "runtime"):
+        content.pop(key)
+    content["train"].pop("rounds")
+    for key in ("exponent", "entropy_factor"):
+        content["generation"].pop(key)
+    later = {key: content["generation"].pop(key) for key in ("prompt_template", "class_names_file") if key in content["generation"]}
+    assert later in ({}, {"prompt_template": "a photo of a {name}", "class_names_file": None})  # text2image's, at defaults
+    assert paper.fingerprint() == hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+    fingerprints = {paper.fingerprint(), ablated.fingerprint(),
+                    load_config(None, ["generation.exponent=1.0"]).fingerprint(),
+                    load_config(None, ["generation.entropy_factor=false"]).fingerprint()}
+    assert len(fingerprints) == 4
+    with pytest.raises(ConfigError, match=r"^generation\.entropy_factor must be true or false, got 'no'$"):
+        load_config(None, ["generation.entropy_factor=no"])
+    with pytest.raises(ConfigError, match=r"^generation\.exponent must be in \[0, 2.0\], got 3.0$"):
+        load_config(None, ["generation.exponent=3"])

@@ -128,6 +128,34 @@ def test_a_sweep_point_equal_to_an_arm_is_not_run_twice(tmp_path: Path) -> None:
     assert [(a.name, a.role, a.beta) for a in arms] == [("fedeas", "fedeas", 12.0), ("beta-4", None, 4.0)]
 
 
+def test_ablation_arms_set_the_fedeas_rule_and_write_it_exactly(tmp_path: Path) -> None:
+    spec = write(tmp_path / "e.toml", TINY_BASE + '[[arms]]\nname = "fedeas"\nset = ["generation.policy=fedeas"]\n'
+                 '[[arms]]\nname = "fedeas-linear-b8"\nset = ["generation.policy=fedeas", "generation.exponent=1.0", '
+                 '"generation.beta=8.0"]\n[[arms]]\nname = "fedeas-no-entropy"\n'
+                 'set = ["generation.policy=fedeas", "generation.entropy_factor=false"]\n')
+    experiment = load_experiment(spec)
+    rules = [(a.name, a.role, c.generation.exponent, c.generation.beta, c.generation.entropy_factor)
+             for a in experiment.arms for c in [experiment.arm_config(a, 0, tmp_path / a.name)]]
+    assert rules == [("fedeas", "fedeas", 0.5, 12.0, True), ("fedeas-linear-b8", None, 1.0, 8.0, True),
+                     ("fedeas-no-entropy", None, 0.5, 12.0, False)]
+    cfg = experiment.arm_config(experiment.arms[2], 0, tmp_path)
+    write_run_toml(cfg, tmp_path / "config.toml")
+    assert "entropy_factor = false" in (tmp_path / "config.toml").read_text()
+    assert load_config(tmp_path / "config.toml") == cfg
+
+
+def test_a_run_from_before_the_ablation_keys_is_reused_at_the_paper_rule(tmp_path: Path) -> None:
+    cfg = from_dict({"generation": {"policy": "fedeas"}})
+    old = cfg.to_dict()
+    for key in ("exponent", "entropy_factor"):  # a report.json written before the keys existed
+        old["generation"].pop(key)
+    (tmp_path / "checkpoint.safetensors").write_bytes(b"")
+    (tmp_path / "report.json").write_text(json.dumps({"success": True, "config": old}))
+    assert previous_run(tmp_path, cfg) == ("done", None)
+    state, why = previous_run(tmp_path, from_dict({"generation": {"policy": "fedeas", "exponent": 1.0}}))
+    assert state == "stale" and "generation.exponent: None -> 1.0" in str(why)
+
+
 def test_an_arm_runs_only_on_its_own_seeds(tmp_path: Path) -> None:
     spec = write(tmp_path / "e.toml", TINY_BASE + '[[arms]]\nname = "fedavg"\n[[arms]]\nname = "b"\nseeds = [0, 5]\n')
     experiment = load_experiment(spec)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import allocation_reference as reference
+from fedsynth.allocation import fedeas_budgets, fedeas_generation
 
 CIFAR10 = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10"
 COUNTS = [[120, 3, 0, 0, 40], [0, 0, 55, 0, 0], [10, 12, 9, 11, 10], [1, 0, 0, 300, 2], [30, 30, 30, 30, 30]]
@@ -105,6 +106,40 @@ def test_matched_policies_spread_the_fedeas_total_by_the_remainder_rule(hand_fil
     assert full["total"] == full["full_balance_total"] == 412 and full["imbalance_after"] == pytest.approx(0.0, abs=1e-15)
 
 
+@pytest.mark.parametrize(
+    ("flags", "beta", "rule"),
+    [
+        (["--no-entropy-factor"], 12.0, {"exponent": 0.5, "entropy_factor": False}),
+        (["--exponent", "1.0", "--beta", "8"], 8.0, {"exponent": 1.0, "entropy_factor": True}),
+        (["--exponent", "1", "--beta", "8", "--no-entropy-factor"], 8.0, {"exponent": 1.0, "entropy_factor": False}),
+    ],
+)
+def test_ablation_flags_give_the_librarys_budgets_exactly(counts_file: Path, flags: list[str], beta: float, rule: dict) -> None:
+    out = plan_json("--counts", str(counts_file), *flags)
+    assert out["beta"] == beta and out["exponent"] == rule["exponent"] and out["entropy_factor"] is rule["entropy_factor"]
+    assert out["client_budgets"] == fedeas_budgets(COUNTS, beta, **rule).tolist()
+    assert out["client_budgets"] == [reference.fedeas_budget(row, beta, **rule) for row in COUNTS]
+    assert out["generation"] == fedeas_generation(COUNTS, beta, **rule).tolist() == reference.fedeas(COUNTS, beta, **rule)
+    paper = plan_json("--counts", str(counts_file), "--beta", str(beta))
+    assert paper["exponent"] == 0.5 and paper["entropy_factor"] is True
+    assert out["client_budgets"] != paper["client_budgets"]  # the switch changes the plan
+    # the matched baselines spend the ablated FedEAS total
+    uniform = plan_json("--counts", str(counts_file), "--policy", "uniform", *flags)
+    total = sum(map(sum, reference.fedeas(COUNTS, beta, **rule)))
+    assert uniform["total"] == total == out["total"]
+    assert uniform["generation"] == reference.matched(COUNTS, total, missing_only=False)
+
+
+def test_ablation_flags_on_a_dataset_partition_equal_the_library() -> None:
+    out = plan_json("--dataset", "digits", "--clients", "6", "--seed", "2", "--exponent", "1.0", "--beta", "8",
+                    "--no-entropy-factor")
+    assert out["client_budgets"] == fedeas_budgets(out["counts"], 8, exponent=1.0, entropy_factor=False).tolist()
+    assert out["generation"] == reference.fedeas(out["counts"], 8, exponent=1.0, entropy_factor=False)
+    table = plan("--dataset", "digits", "--clients", "6", "--seed", "2", "--exponent", "1.0", "--beta", "8",
+                 "--no-entropy-factor")
+    assert table.returncode == 0 and "exponent 1, no entropy factor" in table.stdout.splitlines()[0]
+
+
 def test_human_output_shows_the_table_and_the_full_balance_saving(counts_file: Path) -> None:
     result = plan("--counts", str(counts_file))
     assert result.returncode == 0, result.stderr
@@ -168,6 +203,9 @@ def test_bad_counts_files_fail_with_one_line_naming_the_value(tmp_path: Path, te
         (["--policy", "uniform", "--budget", "-1"], "-1"),
         (["--policy", "fedeas", "--budget", "10"], "budget"),
         (["--seed", "1"], "--seed"),
+        (["--exponent", "-1"], "--exponent"),
+        (["--exponent", "nan"], "nan"),
+        (["--exponent", "2.5"], "2.5"),
     ],
 )
 def test_bad_options_with_a_counts_file_fail_cleanly(counts_file: Path, args: list[str], named: str) -> None:

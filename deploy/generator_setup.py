@@ -1,5 +1,6 @@
-"""The launcher's generator backend: a ddpm model folder (configured, or trained on first use and cached), or the
-run's own hold-out split (`holdout`: real held-out images, nothing to train)."""
+"""The launcher's generator backend: a ddpm model folder (configured, or trained on first use and cached), the
+run's own hold-out split (`holdout`: real held-out images, nothing to train), or a saved diffusers text-to-image
+pipeline (`text2image`: generation.model_dir, never downloaded)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,11 @@ def check_backend(cfg: RunConfig) -> None:
             "generation.backend = 'holdout' serves held-out real images, but data.holdout_fraction = 0 holds none out; "
             "set data.holdout_fraction in (0, 1), e.g. 0.1, or use generation.backend = 'ddpm'"
         )
+    if cfg.generation.backend == "text2image" and cfg.generation.model_dir is None:
+        raise ConfigError(
+            "generation.backend = 'text2image' needs generation.model_dir: a folder written by a diffusers pipeline's "
+            "save_pretrained (nothing is downloaded; see docs/generator.md)"
+        )
 
 
 def serve_arguments(cfg: RunConfig, group: ProcessGroup) -> list[str]:
@@ -66,5 +72,11 @@ def serve_arguments(cfg: RunConfig, group: ProcessGroup) -> list[str]:
         flags = ["--backend", "holdout", "--dataset", cfg.data.dataset,
                  "--holdout-fraction", repr(cfg.data.holdout_fraction), "--seed", str(cfg.seed)]
         return flags + (["--data-dir", cfg.data.data_dir] if cfg.data.data_dir else [])
+    if g.backend == "text2image":  # steps and w as for ddpm (diffusers' guidance_scale = 1 + w); prompts from the data
+        assert g.model_dir is not None
+        flags = ["--backend", "text2image", "--model", g.model_dir, "--dataset", cfg.data.dataset,
+                 "--ddim-steps", str(g.ddim_steps), "--guidance", str(g.guidance), "--prompt-template", g.prompt_template]
+        flags += ["--data-dir", cfg.data.data_dir] if cfg.data.data_dir else []
+        return flags + (["--class-names-file", g.class_names_file] if g.class_names_file else [])
     model_dir = ensure_generator_model(cfg, group)
     return ["--backend", "ddpm", "--model", str(model_dir), "--ddim-steps", str(g.ddim_steps), "--guidance", str(g.guidance)]

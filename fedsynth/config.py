@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import string
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -26,6 +27,8 @@ from fedsynth.data import DATASETS
 from fedsynth.errors import ConfigError
 
 PAPER_RULE = {"exponent": 0.5, "entropy_factor": True}  # FedEAS's b_k as the paper defines it (the defaults below)
+LATER_GENERATION_KEYS = {"prompt_template": "a photo of a {name}", "class_names_file": None}  # text2image's
+DEFAULT_PROMPT_TEMPLATE = LATER_GENERATION_KEYS["prompt_template"]
 MAX_SEED = 2**32 - 1  # torch, numpy and the derived per-client seeds all take it
 
 
@@ -91,8 +94,10 @@ class GenerationConfig(Section):
     beta: float = 12.0
     budget: int | None = None
     backend: str = "ddpm"
-    model_dir: str | None = None
+    model_dir: str | None = None  # ddpm: a trained folder (None: train on first use); text2image: a saved pipeline
     generator: str | None = None  # host:port of a running generator; None lets the launcher start one
+    prompt_template: str = DEFAULT_PROMPT_TEMPLATE  # text2image: {name} is the class name
+    class_names_file: str | None = None  # text2image: one class name per line (needed for npz)
     ddim_steps: int = 10
     guidance: float = 1.0  # w of classifier-free guidance; docs/generator.md: w = 3 collapses the tiny digits model
     train_steps: int = 1500  # for a generator the launcher trains on first use
@@ -108,10 +113,22 @@ class GenerationConfig(Section):
         self.at_least(0, "budget")
         self.non_empty("model_dir")
         self.address("generator")
+        check_prompt_template(self.prompt_template, key=self.key("prompt_template"))
+        self.non_empty("class_names_file")
         self.within("ddim_steps", 1, 1000)  # the generator's sampling limits (generator_service.ddpm.sampling)
         self.within("guidance", 0, 100)
         self.at_least(1, "train_steps")
         self.within("exponent", 0, MAX_EXPONENT)
+
+
+def check_prompt_template(template: str, *, key: str) -> None:
+    """A prompt template names exactly one field, {name}."""
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError:
+        names = set()
+    if names != {"name"}:
+        raise ConfigError(f"{key} must contain {{name}} and no other field, got {template!r}")
 
 
 @dataclass(frozen=True)
@@ -203,6 +220,9 @@ class RunConfig(Section):
         content.pop("out_dir")
         content.pop("runtime")
         content["train"].pop("rounds")
+        for key, default in LATER_GENERATION_KEYS.items():  # keys that came later: at their defaults, old fingerprints hold
+            if content["generation"][key] == default:
+                content["generation"].pop(key)
         for key, paper in PAPER_RULE.items():  # the ablation keys came later: at the paper's rule, old fingerprints hold
             if content["generation"][key] == paper:
                 content["generation"].pop(key)

@@ -1,4 +1,5 @@
-"""`fedsynth generator serve`: the generator process: load a backend (a model folder, or held-out images), serve it."""
+"""`fedsynth generator serve`: the generator process: load a backend (a model folder, held-out images, or a saved
+diffusers text-to-image pipeline), serve it."""
 
 from __future__ import annotations
 
@@ -27,12 +28,14 @@ from generator_service.servicer import GeneratorServicer, ServedModel
 log = logging.getLogger(__name__)
 
 
-# The flags only one backend takes, and those it requires; another backend's flag is refused, not ignored.
+# The flags each backend takes, and those it requires; a flag only other backends take is refused, not ignored.
 BACKEND_FLAGS: dict[str, tuple[str, ...]] = {
     "ddpm": ("model", "ddim_steps", "guidance"),
     "holdout": ("dataset", "data_dir", "holdout_fraction", "seed"),
+    "text2image": ("model", "dataset", "data_dir", "ddim_steps", "guidance", "prompt_template", "class_names_file"),
 }
-REQUIRED_FLAGS: dict[str, tuple[str, ...]] = {"ddpm": ("model",), "holdout": ("dataset", "holdout_fraction", "seed")}
+REQUIRED_FLAGS: dict[str, tuple[str, ...]] = {"ddpm": ("model",), "holdout": ("dataset", "holdout_fraction", "seed"),
+                                              "text2image": ("model", "dataset")}
 
 
 def _flag(name: str) -> str:
@@ -47,6 +50,8 @@ class ServeConfig:
     data_dir: Path | None = None
     holdout_fraction: float | None = None
     seed: int | None = None
+    prompt_template: str | None = None  # text2image: None is "a photo of a {name}"
+    class_names_file: Path | None = None  # text2image: one name per line; built in for digits and CIFAR
     host: str = "127.0.0.1"
     port: int = 0
     port_file: Path | None = None
@@ -69,7 +74,7 @@ class ServeConfig:
             raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         for other, flags in BACKEND_FLAGS.items():
             for name in flags:
-                if other != self.backend and getattr(self, name) is not None:
+                if name not in BACKEND_FLAGS[self.backend] and getattr(self, name) is not None:
                     raise ConfigError(f"{_flag(name)} is a flag of --backend {other}, not of --backend {self.backend}")
         for name in REQUIRED_FLAGS.get(self.backend, ()):
             if getattr(self, name) is None:
@@ -143,8 +148,8 @@ class GeneratorServer:
         grpcutil.set_serving(self.health, SERVICE_NAME)
         log.info("serving %s (backend %s, %d classes of %s images) on %s, %s", served.model_id, served.backend,
                  served.num_classes, "x".join(map(str, served.image_shape)), served.device, served.dtype)
-        if served.backend == "ddpm":
-            log.info("%s UNet, %d parameters, %d DDIM steps, guidance %.2f", served.size, served.parameters,
+        if served.backend in ("ddpm", "text2image"):
+            log.info("%s, %d parameters, %d steps, guidance %.2f", served.size, served.parameters,
                      served.ddim_steps, served.guidance)
         return model
 
@@ -166,12 +171,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = ServeConfig(model=Path("."))
     parser.add_argument("--backend", choices=tuple(BACKENDS), default=d.backend,
                         help="ddpm: a trained model (--model); holdout: real held-out training images, a perfect generator "
-                             "(--dataset, --holdout-fraction, --seed as in the run's config) (default %(default)s)")
-    parser.add_argument("--model", type=Path, default=None, help="ddpm: generator folder (from `fedsynth generator train`)")
-    parser.add_argument("--dataset", choices=DATASETS, default=None, help="holdout: the run's data.dataset")
-    parser.add_argument("--data-dir", type=Path, default=None, help="holdout: the run's data.data_dir")
+                             "(--dataset, --holdout-fraction, --seed as in the run's config); text2image: a diffusers "
+                             "text-to-image pipeline saved in --model, prompted by --dataset's class names "
+                             "(default %(default)s)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="ddpm: generator folder (from `fedsynth generator train`); text2image: a folder written by "
+                             "a diffusers pipeline's save_pretrained (never downloaded)")
+    parser.add_argument("--dataset", choices=DATASETS, default=None,
+                        help="holdout, text2image: the run's data.dataset (text2image: class names and resolution)")
+    parser.add_argument("--data-dir", type=Path, default=None, help="holdout, text2image (npz): the run's data.data_dir")
     parser.add_argument("--holdout-fraction", type=float, default=None, help="holdout: the run's data.holdout_fraction, in (0, 1)")
     parser.add_argument("--seed", type=int, default=None, help="holdout: the run's seed (it seeds the hold-out split)")
+    parser.add_argument("--prompt-template", default=None,
+                        help='text2image: the prompt, with {name} for the class name (default "a photo of a {name}")')
+    parser.add_argument("--class-names-file", type=Path, default=None,
+                        help="text2image: one class name per line, class 0 first (needed for npz; digits and CIFAR "
+                             "names are built in)")
     parser.add_argument("--host", default=d.host, help="address to listen on; 0.0.0.0 for other machines (default %(default)s)")
     parser.add_argument("--port", type=int, default=d.port, help="gRPC port, 0 picks a free one (default %(default)s)")
     parser.add_argument("--port-file", type=Path, default=None, help="write the bound gRPC port here (atomically)")
@@ -186,9 +201,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="RPCs past this get RESOURCE_EXHAUSTED (default %(default)s)")
     parser.add_argument("--queue-limit", type=int, default=d.queue_limit,
                         help="most images queued for sampling; beyond it RESOURCE_EXHAUSTED (default %(default)s)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device, help="ddpm: default %(default)s")
-    parser.add_argument("--ddim-steps", type=int, default=None, help="ddpm: DDIM steps (default: the model folder's)")
-    parser.add_argument("--guidance", type=float, default=None, help="ddpm: guidance weight w (default: the model folder's)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device,
+                        help="ddpm, text2image: default %(default)s")
+    parser.add_argument("--ddim-steps", type=int, default=None,
+                        help="ddpm: DDIM steps (default: the model folder's); text2image: the pipeline's inference "
+                             "steps (default 4)")
+    parser.add_argument("--guidance", type=float, default=None,
+                        help="ddpm: guidance weight w (default: the model folder's); text2image: the same w, "
+                             "diffusers' guidance_scale = 1 + w (default 0: off, as SD-turbo wants)")
     parser.add_argument("--threads", type=int, default=d.threads,
                         help="torch CPU threads, 0 = torch's default; 1 is fastest on a crowded CPU (default %(default)s)")
     parser.add_argument("--grace", type=float, default=d.grace_s, help="seconds in-flight RPCs get on SIGTERM (default %(default)s)")
@@ -200,7 +220,8 @@ def run(args: argparse.Namespace) -> int:
     security = tls.ServerSecurity.from_args(args, "generator")
     config = ServeConfig(
         model=args.model, backend=args.backend, dataset=args.dataset, data_dir=args.data_dir,
-        holdout_fraction=args.holdout_fraction, seed=args.seed, host=security.bind_host(args.host), port=args.port, port_file=args.port_file, metrics_port=args.metrics_port,
+        holdout_fraction=args.holdout_fraction, seed=args.seed, prompt_template=args.prompt_template,
+        class_names_file=args.class_names_file, host=security.bind_host(args.host), port=args.port, port_file=args.port_file, metrics_port=args.metrics_port,
         metrics_host=args.metrics_host, metrics_insecure=args.metrics_insecure,
         max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_request_images=args.max_request_images,
         max_concurrent_rpcs=args.max_concurrent_rpcs, queue_limit=args.queue_limit, device=args.device,

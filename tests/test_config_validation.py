@@ -58,6 +58,8 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "generation.budget": ("int?", [-1]),
     "generation.backend": ("str", ["gan", ""]),
     "generation.model_dir": ("str?", [""]),
+    "generation.prompt_template": ("str", ["a photo", "{name} of {kind}", "{name", ""]),
+    "generation.class_names_file": ("str?", [""]),
     "generation.generator": ("str?", ["localhost", "host:0", "host:70000", ":50051", "host:port", ""]),
     "generation.ddim_steps": ("int", [0, 1001]),
     "generation.guidance": ("float", [-3, -0.001, 101]),

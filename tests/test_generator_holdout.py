@@ -175,7 +175,7 @@ def test_a_class_without_held_out_images_is_failed_precondition(tmp_path: Path) 
         ({**HOLDOUT, "model": Path("m")}, "--model is a flag of --backend ddpm, not of --backend holdout"),
         ({"model": Path("m"), "seed": 1}, "--seed is a flag of --backend holdout, not of --backend ddpm"),
         ({**HOLDOUT, "dataset": "mnist"}, "--dataset must be one of digits, cifar10, cifar100, npz, got 'mnist'"),
-        ({"backend": "gan"}, "--backend must be one of ddpm, holdout, got 'gan'"),
+        ({"backend": "gan"}, "--backend must be one of ddpm, holdout, text2image, got 'gan'"),
     ],
 )
 def test_serve_config_names_the_bad_flag(fields: dict, words: str) -> None:

@@ -1,4 +1,5 @@
-"""Generator backends behind one interface, by name: `ddpm` (a trained diffusion model), `holdout` (real held-out images)."""
+"""Generator backends behind one interface, by name: `ddpm` (a trained diffusion model), `holdout` (real held-out images),
+`text2image` (an off-the-shelf diffusers text-to-image pipeline prompted by class name)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ class BackendSettings(Protocol):
     @property
     def backend(self) -> str: ...
     @property
-    def model(self) -> Path | None: ...  # ddpm: the generator folder
+    def model(self) -> Path | None: ...  # ddpm: the generator folder; text2image: the saved pipeline
     @property
     def device(self) -> str: ...
     @property
@@ -83,6 +84,10 @@ class BackendSettings(Protocol):
     def holdout_fraction(self) -> float | None: ...
     @property
     def seed(self) -> int | None: ...
+    @property
+    def prompt_template(self) -> str | None: ...  # text2image: "a photo of a {name}" when None
+    @property
+    def class_names_file(self) -> Path | None: ...  # text2image: one class name per line (npz needs one)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import torch
 from client_node.metrics import ClientMetrics
 from client_node.node import NodeOptions, run_clients
 from fedsynth import lifetime, tls
+from fedsynth.config import generator_addresses
 from fedsynth.errors import ConfigError
 from fedsynth.metrics import add_metrics_arguments, serve_metrics_from_args
 from fedsynth.runtime import setup_logging
@@ -45,7 +46,9 @@ def check_address(flag: str, value: str | None) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="the coordinator's address")
     parser.add_argument("--clients", default="0", help="logical client ids this process hosts: 3, 0-4 or 0,2,5-6")
-    parser.add_argument("--generator", metavar="HOST:PORT", help="the generator service (needed by generation policies)")
+    parser.add_argument("--generator", metavar="HOST:PORT",
+                        help="the generator service (needed by generation policies); replicas as HOST:PORT,HOST:PORT,... "
+                             "or dns:///NAME:PORT (round_robin over NAME's addresses): requests are sharded across them")
     parser.add_argument("--cache-dir", default="fedsynth-cache", help="folder of the persistent synthetic-image cache")
     parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of this process")
     parser.add_argument("--reconnect-timeout", type=float, default=300.0, help="give up after the coordinator is unreachable this long (s)")
@@ -74,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     setup_logging("client", args.log_level)
     ids = parse_ids(args.clients)
     check_address("--coordinator", args.coordinator)
-    check_address("--generator", args.generator)
+    if args.generator is not None:
+        generator_addresses(args.generator, key="--generator")
     if args.torch_threads < 1:
         raise ConfigError(f"--torch-threads must be >= 1, got {args.torch_threads}")
     torch.set_num_threads(args.torch_threads)

@@ -10,7 +10,6 @@ import numpy as np
 
 from client_node.metrics import ClientMetrics
 from client_node.synthetic_cache import SyntheticCache
-from fedsynth import grpcutil
 from fedsynth.allocation import client_quota
 from fedsynth.assembly import client_seed
 from fedsynth.config import RunConfig
@@ -62,11 +61,11 @@ def synthesize(
         return SyntheticSet(np.zeros((0, 1, 1, 1), np.uint8), np.zeros(0, np.int64), False)
     if options.generator is None:
         raise ConfigError(f"policy {cfg.generation.policy!r} needs a generator service (--generator HOST:PORT)")
-    from fedsynth.generator_client import GeneratorInfo, fetch_images
+    from fedsynth.generator_replicas import GeneratorReplicas
 
-    channel = grpcutil.make_channel(options.generator, options.credentials)
+    replicas = GeneratorReplicas.connect(options.generator, options.credentials, key="--generator")  # 1 or more
     try:
-        info = GeneratorInfo.fetch(channel, timeout_s=60.0)
+        info = replicas.info(timeout_s=60.0)
         if info.num_classes != num_classes:
             raise ConfigError(f"the generator at {options.generator} serves {info.num_classes} classes; this run has {num_classes}")
         seed = client_seed(cfg, client_id, "generation")
@@ -83,8 +82,8 @@ def synthesize(
                     cache.append(int(class_id), int(cache.have[class_id]), images[rows])
                 metrics.images_received.inc(len(images))
 
-            fetch_images(
-                channel, missing.tolist(), seed=seed, offsets=cache.have.tolist(), model_id=info.model_id,
+            replicas.fetch(
+                missing.tolist(), seed=seed, offsets=cache.have.tolist(), model_id=info.model_id,
                 on_batch=on_batch, timeout_s=cfg.runtime.round_timeout_s,
             )
             metrics.generation_seconds.observe(time.monotonic() - started)
@@ -94,5 +93,5 @@ def synthesize(
             log.info("client %d: all %d synthetic images from the cache", client_id, int(quota.sum()))
         x, y = cache.images(quota)
     finally:
-        channel.close()
+        replicas.close()
     return SyntheticSet(x, y, cache_hit=bool(missing.sum() == 0))

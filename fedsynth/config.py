@@ -18,6 +18,7 @@ from fedsynth.config_schema import (
     GENERATOR_BACKENDS,
     GENERATOR_SIZES,
     MAX_EXPONENT,
+    MAX_PORT,
     MODELS,
     PARTITIONS,
     POLICIES,
@@ -95,7 +96,9 @@ class GenerationConfig(Section):
     budget: int | None = None
     backend: str = "ddpm"
     model_dir: str | None = None  # ddpm: a trained folder (None: train on first use); text2image: a saved pipeline
-    generator: str | None = None  # host:port of a running generator; None lets the launcher start one
+    # A running generator: HOST:PORT, replicas as HOST:PORT,HOST:PORT,... (requests sharded across them), or
+    # dns:///NAME:PORT (every address NAME resolves to, round_robin); None lets the launcher start one.
+    generator: str | None = None
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE  # text2image: {name} is the class name
     class_names_file: str | None = None  # text2image: one class name per line (needed for npz)
     ddim_steps: int = 10
@@ -112,13 +115,29 @@ class GenerationConfig(Section):
         self.above(0, "beta")
         self.at_least(0, "budget")
         self.non_empty("model_dir")
-        self.address("generator")
+        if self.generator is not None:
+            generator_addresses(self.generator, key=self.key("generator"))
         check_prompt_template(self.prompt_template, key=self.key("prompt_template"))
         self.non_empty("class_names_file")
         self.within("ddim_steps", 1, 1000)  # the generator's sampling limits (generator_service.ddpm.sampling)
         self.within("guidance", 0, 100)
         self.at_least(1, "train_steps")
         self.within("exponent", 0, MAX_EXPONENT)
+
+
+def generator_addresses(value: str, *, key: str = "generation.generator") -> tuple[str, ...]:
+    """The generator replicas: HOST:PORT[,HOST:PORT...] (each a port in 1..65535, no repeats), or one
+    dns:///NAME:PORT target whose resolved addresses a round_robin channel spreads requests over."""
+    parts = tuple(part.strip() for part in value.split(","))
+    for part in parts:
+        host, _, port = part.removeprefix("dns:///").rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= MAX_PORT or any(c.isspace() for c in part):
+            raise ConfigError(f"{key} must be HOST:PORT, HOST:PORT,HOST:PORT,... or dns:///NAME:PORT, got {value!r}")
+    if len(set(parts)) < len(parts):
+        raise ConfigError(f"{key} names a generator twice: {value!r}")
+    if len(parts) > 1 and any(part.startswith("dns:///") for part in parts):
+        raise ConfigError(f"{key}: a dns:/// target stands alone (it already names every replica), got {value!r}")
+    return parts
 
 
 def check_prompt_template(template: str, *, key: str) -> None:

@@ -334,9 +334,14 @@ def test_kubernetes_commands_probes_and_services_agree() -> None:
         assert admitted == {args.port, args.metrics_port}, f"NetworkPolicy {policy['metadata']['name']}: {admitted}"
     client = parsed["client"][2]
     for flag, role in (("coordinator", "coordinator"), ("generator", "generator serve")):
-        host, _, port = getattr(client, flag).rpartition(":")
+        host, _, port = getattr(client, flag).removeprefix("dns:///").rpartition(":")
         assert host in services and int(port) == parsed[role][2].port, f"client --{flag} {getattr(client, flag)}"
     assert parsed["generator serve"][1]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    generator_workload = parsed["generator serve"][0]
+    assert generator_workload["spec"]["replicas"] >= 2 and client.generator.startswith("dns:///")  # replicas, round_robin
+    (generator_service,) = [s for s in services.values()
+                            if s["spec"]["selector"] == generator_workload["spec"]["selector"]["matchLabels"]]
+    assert generator_service["spec"]["clusterIP"] == "None"  # headless: DNS answers every replica's address
     assert parsed["generator serve"][2].model == parsed["generator train"][2].out
 
 

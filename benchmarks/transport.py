@@ -6,7 +6,9 @@ sends the same weights straight back with SubmitUpdate ("training off"), which t
 decodes, validates and folds into its aggregate. The raw baseline sends the same bytes to an echo process
 over a plain TCP socket and reads them back. Prints a markdown table.
 
-    python benchmarks/transport.py --rounds 7
+    python benchmarks/transport.py --rounds 7 [--json FILE]
+
+--json writes {"raw_round_trip_s", "fedsynth_round_trip_s", "ratio" (raw / ours), "bytes", "rounds", "steps_s"}.
 """
 
 from __future__ import annotations
@@ -172,6 +174,7 @@ def coordinator_processing(payload: bytes, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=7, help="measured round trips (the median is reported)")
+    parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="fedsynth-transport-") as tmp:
         folder = Path(tmp)
@@ -206,6 +209,11 @@ def main() -> None:
     print(f"| (the coordinator's join + SHA-256 + decode + validation + aggregation of one update, timed in-process) | {processing:.3f} | |")
     print(f"| **round trip, real path (everything above)** | {total:.3f} | {rate(total, 2)} |")
     print(f"| **raw TCP round trip** (same bytes to an echo process and back) | {raw:.3f} | {rate(raw, 2)} |")
+    if args.json is not None:
+        args.json.write_text(json.dumps({
+            "raw_round_trip_s": raw, "fedsynth_round_trip_s": total, "ratio": raw / total, "bytes": size,
+            "rounds": args.rounds, "coordinator_processing_s": processing, "steps_s": m,
+        }, indent=2) + "\n")
     print(f"\nreal path round trip: {100 * raw / total:.0f}% of the raw socket rate; "
           f"push stream alone: {100 * (raw / 2) / m['push_transfer']:.0f}% of the raw one-way rate")
 

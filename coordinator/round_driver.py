@@ -3,17 +3,23 @@ checkpoint and publish."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import secrets
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from coordinator import checkpoint
 from coordinator.dispatch import Finished, TaskDelivery
+from coordinator.mean_pool import MeanDataPool
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.progress import ProgressFeed
 from coordinator.registry import ClientRegistry
@@ -36,10 +42,21 @@ def _finite_mean(values: list[float]) -> float | None:
     return float(np.mean(finite)) if finite else None
 
 
+@dataclass(frozen=True)
+class ClosedRound:
+    """An aggregated round waiting for its evaluation: the model to test and the checkpoint to write after it."""
+
+    rnd: RoundInProgress
+    closed_at: float
+    model: torch.nn.Module
+    saved: checkpoint.Checkpoint
+    sdafl_summary: dict[str, Any]
+
+
 class RoundDriver:
     def __init__(self, cfg: RunConfig, *, out_dir: Path, lock: threading.Condition, registry: ClientRegistry,
                  state: RunState, algorithm: Algorithm, sdafl: SdaflServer | None, metrics: CoordinatorMetrics,
-                 progress: ProgressFeed, test_data: TrainData) -> None:
+                 progress: ProgressFeed, test_data: TrainData, mean_pool: MeanDataPool | None = None) -> None:
         self.cfg = cfg
         self.out_dir = out_dir
         self.lock = lock
@@ -50,7 +67,12 @@ class RoundDriver:
         self.metrics = metrics
         self.progress = progress
         self.test_data = test_data
+        self.mean_pool = mean_pool
         self.current: RoundInProgress | None = None
+        # With overlap_evaluation, round r is tested (then checkpointed and published) on this thread while
+        # round r+1 already trains: the clients never wait for the coordinator's test pass.
+        self._evaluator = ThreadPoolExecutor(1, thread_name_prefix="evaluation") if cfg.runtime.overlap_evaluation else None
+        self._evaluating: Future[None] | None = None
 
     def run(self) -> None:
         """Play every remaining round; raises QuorumError when the run cannot go on."""
@@ -64,15 +86,29 @@ class RoundDriver:
                     timeout_s=self.cfg.runtime.registration_timeout_s + self.cfg.runtime.round_timeout_s,
                     need=quorum_size(self.cfg.data.clients, self.cfg.runtime.quorum),
                 )
+            if self.mean_pool is not None and not self.mean_pool.closed:
+                with self.lock:
+                    registered = sorted(self.registry.clients)
+                self.mean_pool.await_uploads(
+                    registered,
+                    timeout_s=self.cfg.runtime.registration_timeout_s,
+                    need=quorum_size(self.cfg.data.clients, self.cfg.runtime.quorum),
+                )
+                self.mean_pool.save(self.out_dir)
             for number in range(self.state.completed + 1, self.cfg.train.rounds + 1):
                 self._play_round(number)
+            self._await_evaluation()
             self.finish(Finished(f"completed {self.cfg.train.rounds} rounds", True, EXIT_OK))
         except QuorumError as exc:
+            self._await_evaluation()  # the rounds before the failed one are kept in the checkpoint
             self.finish(Finished(str(exc), False, EXIT_BELOW_QUORUM))
             raise
         except Exception as exc:  # a bug or an unexpected failure: the clients must hear of it, not wait for a task
             self.finish(Finished(f"coordinator internal error: {type(exc).__name__}: {exc}", False, EXIT_INTERNAL))
             raise
+        finally:
+            if self._evaluator is not None:
+                self._evaluator.shutdown(wait=False, cancel_futures=True)
 
     def finish(self, finished: Finished) -> None:
         with self.lock:
@@ -120,7 +156,7 @@ class RoundDriver:
     def delivery(self, rnd: RoundInProgress, client_id: int) -> TaskDelivery:
         quota = [] if self.state.quota is None else [int(v) for v in self.state.quota[client_id]]
         record = self.registry.clients.get(client_id)
-        if self.sdafl is not None and record is not None and not record.has_synthetic:
+        if (self.sdafl is not None or self.mean_pool is not None) and record is not None and not record.has_synthetic:
             if rnd.payload_with_images is None:
                 rnd.payload_with_images = self._task_payload(rnd.global_state, with_images=True)
             payload = rnd.payload_with_images
@@ -131,6 +167,8 @@ class RoundDriver:
         groups = {"model": global_state, "extra": self.algorithm.server_extra(self.state.server_state)}
         if self.sdafl is not None:
             groups["synthetic"] = self.sdafl.task_groups(with_images=with_images)
+        if self.mean_pool is not None:
+            groups["mean"] = self.mean_pool.task_group(with_data=with_images)
         return codec.encode(codec.join_prefixed(**groups))
 
     def _play_round(self, number: int) -> None:
@@ -166,27 +204,45 @@ class RoundDriver:
         state.model.load_state_dict(new_global)
         rnd.aggregation_s += time.monotonic() - started
         sdafl_summary = self.sdafl.after_aggregation(state.model, number) if self.sdafl is not None else {}
+        state.completed = number
+        closed = ClosedRound(rnd, closed_at, copy.deepcopy(state.model), state.snapshot(self.sdafl), sdafl_summary)
+        self._await_evaluation()  # round r-1's (long done, normally): its errors surface here, in order
+        if self._evaluator is None:
+            self._conclude(closed)
+        else:
+            self._evaluating = self._evaluator.submit(self._conclude, closed)
+
+    def _await_evaluation(self) -> None:
+        if self._evaluating is not None:
+            evaluating, self._evaluating = self._evaluating, None
+            evaluating.result()
+
+    def _conclude(self, closed: ClosedRound) -> None:
+        """Test the round's model, then record, checkpoint and publish the round (rounds conclude in order)."""
+        rnd = closed.rnd
         started = time.monotonic()
-        loss, acc = evaluate(state.model, self.test_data, self.cfg.train.eval_batch_size)
-        phases = round_phases(rnd, closed_at, time.monotonic() - started)
+        loss, acc = evaluate(closed.model, self.test_data, self.cfg.train.eval_batch_size)
+        phases = round_phases(rnd, closed.closed_at, time.monotonic() - started)
         summary = {
-            "round": number,
+            "round": rnd.number,
             "accuracy": acc,
             "loss": loss,
             "duration_s": time.monotonic() - rnd.started,
             "participants": sorted(rnd.answered),
-            "sampled": sampled,
+            "sampled": rnd.sampled,
             "phases_s": phases,
             "bytes_sent": rnd.bytes_sent,
             "bytes_received": rnd.bytes_received,
             "train_loss": _finite_mean([a["train_loss"] for a in rnd.answered.values()]),
-            **sdafl_summary,
+            **closed.sdafl_summary,
         }
-        state.completed = number
-        state.history.append(summary)
-        state.save(self.out_dir, self.sdafl)
+        with self.lock:
+            self.state.history.append(summary)
+            history = list(self.state.history)
+        saved = dataclasses.replace(closed.saved, record={**closed.saved.record, "history": history})
+        checkpoint.save(self.out_dir, saved)
         self.metrics.observe_round(summary)
-        log.info("round %d: accuracy %.4f loss %.4f (%d/%d answered)", number, acc, loss, len(rnd.answered), m)
+        log.info("round %d: accuracy %.4f loss %.4f (%d/%d answered)", rnd.number, acc, loss, len(rnd.answered), len(rnd.sampled))
         self.progress.publish(summary)
 
     def _wait_for_answers(self, rnd: RoundInProgress) -> None:

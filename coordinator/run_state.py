@@ -57,16 +57,17 @@ class RunState:
         log.info("resumed from checkpoint after round %d", self.completed)
         return True
 
-    def save(self, out_dir: Path, sdafl: SdaflServer | None) -> None:
+    def snapshot(self, sdafl: SdaflServer | None) -> checkpoint.Checkpoint:
+        """Everything a checkpoint after this round holds, copied now, so that it can be written later while the
+        next round already runs (its history is filled in when the round's evaluation is done)."""
         record = {
             "fingerprint": self.run_id,
             "rng": self.rng.bit_generator.state,
-            "history": self.history,
+            "history": [],
             "initial": self.initial,
             "quota": None if self.quota is None else self.quota.tolist(),
         }
         synthetic: dict[str, torch.Tensor] = {}
         if sdafl is not None:
             synthetic, record["sdafl"] = sdafl.state()
-        ckpt = checkpoint.Checkpoint(self.completed, snapshot_state(self.model), self.server_state, record, synthetic)
-        checkpoint.save(out_dir, ckpt)
+        return checkpoint.Checkpoint(self.completed, snapshot_state(self.model), self.server_state, record, synthetic)

@@ -200,6 +200,7 @@ class RuntimeConfig(Section):
     torch_threads: int = 1
     heartbeat_s: float = 2.0  # coordinator -> client stream heartbeats, and each client's Heartbeat RPC
     heartbeat_timeout_s: float = 6.0  # a connected client silent this long is dropped (its stream ended)
+    overlap_evaluation: bool = True  # test round r's model while round r+1 trains (same results, less wall-clock)
     tls_dir: str | None = None  # `fedsynth deploy provision` folder: the launcher runs every role over mutual TLS
 
     def check(self) -> None:

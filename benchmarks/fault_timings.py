@@ -1,10 +1,14 @@
-"""Time to notice a dead client (kill -9, and SIGSTOP via keepalive) and from a coordinator restart to the next round.
+"""Time to notice a dead client (kill -9) and a frozen one (SIGSTOP: its heartbeats stop), whether a long local
+training is ever taken for a frozen client, and from a coordinator restart to the next round.
 
 python benchmarks/fault_timings.py            # prints a markdown table; each figure is one measurement
+python benchmarks/fault_timings.py --train-steps 600   # a longer local training (ResNet-18 steps) in the second part
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
 import signal
 import socket
@@ -20,7 +24,7 @@ SETTINGS = [
     "data.clients=4", "train.rounds=400", "train.local_epochs=1", "generation.policy=none", "runtime.quorum=0.5",
     "runtime.round_timeout_s=120", "runtime.rejoin_grace_s=3", "runtime.heartbeat_s=2",
 ]
-STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*client (\d+) disconnected")
+STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*client (\d+) (?:disconnected|dropped)")
 ROUND_STARTED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*round \d+: sampled")
 SCRAPE_INTERVAL_S = 0.05  # polling /metrics faster would load the coordinator it times
 
@@ -70,7 +74,39 @@ def _disconnect_time(log: Path, client_id: int) -> float | None:
     return None
 
 
+def frozen_versus_training(root: Path, train_steps: int) -> tuple[float, float, bool]:
+    """Two clients train ResNet-18 for train_steps steps; one is SIGSTOP'd as training starts. Returns (seconds until
+    the frozen one is dropped, the other's local training seconds, whether the other was ever dropped)."""
+    group = ProcessGroup(root / "logs")
+    out, port_file = root / "run", root / "coordinator.port"
+    settings = ["data.clients=2", "train.rounds=1", "train.model=resnet18", "train.local_epochs=100",
+                f"train.max_steps={train_steps}", "generation.policy=none", "runtime.quorum=0.5",
+                "runtime.round_timeout_s=1800", "runtime.rejoin_grace_s=3"]  # heartbeat_s, heartbeat_timeout_s: defaults
+    sets = [item for s in settings for item in ("--set", s)]
+    try:
+        coord = group.start("coordinator", fedsynth_command("coordinator", *sets, "--out-dir", str(out), "--port", "0",
+                                                            "--port-file", str(port_file), "--insecure"))
+        port = wait_for_file(port_file, coord, timeout_s=120)
+        clients = [group.start(f"client-{k}", fedsynth_command("client", "--coordinator", f"127.0.0.1:{port}", "--clients",
+                                                               str(k), "--cache-dir", str(root / "cache"), "--insecure"))
+                   for k in range(2)]
+        for child in clients:
+            _wait(lambda: "round 1: training on" in child.log_path.read_text(), 300, f"{child.role} training")
+        frozen_at = time.time()
+        clients[1].process.send_signal(signal.SIGSTOP)
+        dropped = _wait(lambda: _disconnect_time(coord.log_path, 1), 120, "SIGSTOP detection") - frozen_at
+        coord.process.wait(timeout=3600)
+        record = json.loads((out / "coordinator.json").read_text())
+        training = record["rounds"][0]["phases_s"]["training"]
+        return dropped, training, _disconnect_time(coord.log_path, 0) is not None
+    finally:
+        group.stop_all(grace_s=5)
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--train-steps", type=int, default=400, help="ResNet-18 steps of the long local training")
+    args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="fault-timings-"))
     group = ProcessGroup(root / "logs")
     out, port = root / "run", _free_port()
@@ -94,7 +130,7 @@ def main() -> None:
         detected = _wait(lambda: _disconnect_time(coord.log_path, 3), 60, "kill -9 detection")
         frozen_at = time.time()
         clients[2].process.send_signal(signal.SIGSTOP)
-        frozen_detected = _wait(lambda: _disconnect_time(coord.log_path, 2), 120, "SIGSTOP detection")
+        frozen_detected = _wait(lambda: _disconnect_time(coord.log_path, 2), 120, "SIGSTOP detection", 0.05)
         clients[2].process.send_signal(signal.SIGCONT)
 
         before = _rounds(metrics)
@@ -108,9 +144,12 @@ def main() -> None:
         next_round = time.time() - restarted_at
     finally:
         group.stop_all(grace_s=5)
+    dropped, training, false_drop = frozen_versus_training(root / "training", args.train_steps)
     print("| event | seconds |\n|---|---|")
     print(f"| kill -9 of a client -> coordinator logs it disconnected | {detected - killed_at:.3f} |")
-    print(f"| SIGSTOP of a client (no FIN) -> disconnected by keepalive | {frozen_detected - frozen_at:.1f} |")
+    print(f"| SIGSTOP of a client between rounds (no FIN) -> dropped, its heartbeats stopped | {frozen_detected - frozen_at:.1f} |")
+    print(f"| SIGSTOP of a client as local training starts -> dropped | {dropped:.1f} |")
+    print(f"| the other client's local training ({args.train_steps} ResNet-18 steps), never dropped: {not false_drop} | {training:.1f} |")
     print(f"| coordinator restart -> listening (process start, imports, checkpoint load) | {listening:.1f} |")
     print(f"| coordinator restart -> next round dispatched (clients reconnect and re-register by themselves) | {round_started:.1f} |")
     print(f"| coordinator restart -> that round completed (one client stays dead: closes after rejoin_grace_s = 3) | {next_round:.1f} |")

@@ -14,6 +14,7 @@ from typing import Any
 
 from deploy.experiment_spec import load_experiment, write_run_toml
 from deploy.processes import fedsynth_command
+from fedsynth import lifetime
 from fedsynth.config import RunConfig
 from fedsynth.errors import ConfigError
 from fedsynth.runtime import setup_logging, write_atomic
@@ -103,7 +104,9 @@ def run_arm(cfg: RunConfig, arm_dir: Path, timeout_s: float) -> dict[str, Any]:
     command = fedsynth_command("run", "--config", str(arm_dir / "config.toml"), "--out-dir", str(arm_dir), "--no-progress")
     with open(log_path, "ab") as log_file:
         # its own session: on a deadline the whole process tree is stopped, grandchildren included
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        # and bound to this process (fedsynth.lifetime): a kill -9 of the experiment ends its arm's run too
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True, env=lifetime.child_env())
     try:
         code = process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:

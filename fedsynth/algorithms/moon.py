@@ -38,6 +38,11 @@ class Moon(WeightedMeanServer):
     First round (empty client state): the global model also serves as the previous model, as in the
     authors' code; the contrastive term then equals log 2 with zero gradient, so the first round
     trains like FedAvg but reports train_loss shifted by mu * log 2.
+
+    The client state lives in the client process's memory (client_node keeps it between rounds; it is
+    not written to disk). A restarted client process therefore has none, and its first round after the
+    restart is a first round in this sense: previous = global, no contrastive gradient. Its next round
+    has a previous model again (docs/algorithms.md).
     """
 
     mu: float = 1.0
@@ -58,7 +63,10 @@ class Moon(WeightedMeanServer):
         generator: torch.Generator,
     ) -> ClientUpdate:
         global_model = _frozen_copy(model)
-        previous_model = _frozen_copy(model, client_state) if client_state else global_model
+        if client_state:
+            previous_model = _frozen_copy(model, client_state)
+        else:  # round 1, or the first round after a client restart: the round-1 rule (previous = global)
+            previous_model = global_model
 
         def loss_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             z = model.features(x)

@@ -20,9 +20,17 @@ from fedsynth.errors import ConfigError, WireError
 from fedsynth.training import LocalTrainConfig, TrainData, run_local_sgd
 
 
+def effective_steps(steps: int, momentum: float) -> float:
+    """K_eff = sum_{j=1..K} (1 - m^(K-j+1)) / (1 - m): the total weight heavy-ball SGD (buf = m buf + g, w -= lr buf)
+    gives the K gradients of a round; K for plain SGD (m = 0)."""
+    if momentum == 0.0:
+        return float(steps)
+    return (steps - momentum * (1.0 - momentum**steps) / (1.0 - momentum)) / (1.0 - momentum)
+
+
 @dataclass(frozen=True)
 class Scaffold:
-    """Client: gradient g + c - c_i each step; afterwards c_i+ = c_i - c + (x - y_i) / (K_steps * lr).
+    """Client: gradient g + c - c_i each step; afterwards c_i+ = c_i - c + (x - y_i) / (K_eff * lr).
 
     The server keeps c, one tensor per floating-point entry of the global state (zeros at first;
     entries of buffers stay zero, since clients send delta c_i for trainable parameters only) and
@@ -30,7 +38,12 @@ class Scaffold:
     keys) as its client state and uploads delta c_i = c_i+ - c_i as its extra.
     Server: x += global_lr * (N_k-weighted mean of y_i - x), which with global_lr = 1 is exactly
     FedAvg's weighted mean; c += sum(delta c_i) / num_clients, i.e. (|S| / N) * mean(delta c_i).
-    With momentum or weight decay the option-II estimate is the paper's formula applied as is.
+    K_eff is the K of the paper's plain SGD; under heavy-ball momentum m (PyTorch's SGD, fresh each round) the
+    gradient of step j moves the weights by lr * (1 - m^(K-j+1)) / (1 - m) over the round, so K_eff = the sum of
+    those weights (effective_steps) and c_i+ is their weighted mean of the local gradients, as option II means it
+    (1/(K lr) would overstate c_i by up to 1/(1-m): 10x at m = 0.9). Weight decay counts as part of the gradient.
+    Zero local steps (train.max_steps = 0): y_i = x, nothing was learnt about the gradient, so c_i stays as it was
+    and delta c_i = 0 (no division by K).
     """
 
     num_clients: int
@@ -73,7 +86,10 @@ class Scaffold:
                     p.grad.add_(correction[name])
 
         steps, train_loss = run_local_sgd(model, data, cfg, generator, loss_fn=loss_fn, adjust_gradients=correct_gradients)
-        scale = 1.0 / (steps * cfg.lr)
+        if steps == 0:  # no step: keep c_i, send delta c_i = 0 (every client of a round sends the same keys)
+            return ClientUpdate(state=snapshot_state(model), extra={name: torch.zeros_like(c) for name, c in client_c.items()},
+                                client_state=dict(client_c), num_steps=0, train_loss=train_loss)
+        scale = 1.0 / (effective_steps(steps, cfg.momentum) * cfg.lr)
         new_client_c, delta_c = {}, {}
         for name, p in params.items():
             drift = (global_params[name] - p.detach().cpu()) * scale

@@ -57,7 +57,7 @@ def check_backend(cfg: RunConfig) -> None:
             "generation.backend = 'holdout' serves held-out real images, but data.holdout_fraction = 0 holds none out; "
             "set data.holdout_fraction in (0, 1), e.g. 0.1, or use generation.backend = 'ddpm'"
         )
-    if cfg.generation.backend == "text2image" and cfg.generation.model_dir is None:
+    if cfg.generation.backend == "text2image" and cfg.generation.model_dir is None and cfg.generation.generator is None:
         raise ConfigError(
             "generation.backend = 'text2image' needs generation.model_dir: a folder written by a diffusers pipeline's "
             "save_pretrained (nothing is downloaded; see docs/generator.md)"

@@ -261,6 +261,7 @@ def test_launcher_flags_and_the_missing_model_dir(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="generation.backend = 'text2image' needs generation.model_dir"):
         check_backend(load_config(None, ["generation.backend=text2image"]))
+    check_backend(load_config(None, ["generation.backend=text2image", "generation.generator=gpu1:50052,gpu2:50052"]))
     cfg = load_config(None, ["generation.backend=text2image", "generation.model_dir=/models/sd-turbo",
                              "generation.ddim_steps=1", "generation.guidance=0", "generation.prompt_template=a {name}"])
     flags = serve_arguments(cfg, ProcessGroup(tmp_path / "logs"))

@@ -270,3 +270,18 @@ def test_launcher_flags_and_the_missing_model_dir(tmp_path: Path) -> None:
     assert cfg.fingerprint() != load_config(None, ["generation.backend=text2image", "generation.model_dir=/models/sd-turbo",
                                                    "generation.ddim_steps=1", "generation.guidance=0"]).fingerprint()
     assert load_config(None, []).fingerprint() == load_config(None, ["generation.prompt_template=a photo of a {name}"]).fingerprint()
+
+
+def test_an_ancestral_scheduler_draws_its_step_noise_per_image(model_dir: Path, tmp_path: Path) -> None:
+    """SDXL-turbo's EulerAncestral adds fresh noise each step: from each row's own generator, so still per image."""
+    from diffusers import AutoPipelineForText2Image, EulerAncestralDiscreteScheduler
+
+    pipeline = AutoPipelineForText2Image.from_pretrained(model_dir, local_files_only=True)
+    pipeline.scheduler = EulerAncestralDiscreteScheduler.from_config(pipeline.scheduler.config)
+    pipeline.save_pretrained(tmp_path / "ancestral")
+    keys = [ImageKey(3, c, j) for c in range(3) for j in range(2)]
+    six = load_text2image(tmp_path / "ancestral", dataset="cifar10", batch_size=6, steps=3, guidance=2.0)
+    one = load_text2image(tmp_path / "ancestral", dataset="cifar10", batch_size=1, steps=3, guidance=2.0)
+    together = six.sample(keys)
+    assert np.concatenate([one.sample([key]) for key in keys]).tobytes() == together.tobytes()
+    assert six.sample(keys[::-1])[::-1].tobytes() == together.tobytes()  # position in the batch does not matter

@@ -13,12 +13,13 @@ import grpc
 import numpy as np
 import torch
 
+from client_node.fedmix_client import mean_data, pool_from_group, upload_mean_data
 from client_node.metrics import ClientMetrics
 from client_node.sdafl_client import ensure_samples, upload
 from client_node.synthesis import SyntheticSet, fedeas_total, synthesize
 from fedsynth import codec, grpcutil
 from fedsynth.algorithms.base import snapshot_state
-from fedsynth.assembly import algorithm_for, client_shard, local_train_config, round_generator
+from fedsynth.assembly import algorithm_for, client_seed, client_shard, local_train_config, round_generator
 from fedsynth.config import RunConfig, from_json
 from fedsynth.errors import FedsynthError, StopRequested, WireError
 from fedsynth.models import build_model
@@ -53,6 +54,7 @@ class ClientState:
     algorithm_state: dict[str, torch.Tensor] = field(default_factory=dict)
     shared_images: np.ndarray | None = None  # SDA-FL: the coordinator's synthetic set, received once
     shared_digest: str = ""
+    mean_pool: tuple[torch.Tensor, torch.Tensor] | None = None  # FedMix / NaiveMix: the pooled means, received once
 
 
 class RunEnded(Exception):
@@ -137,6 +139,11 @@ class LogicalClient:
                 timeout_s=cfg.runtime.registration_timeout_s, torch_threads=torch.get_num_threads(), should_stop=self.stop.is_set,
             )
             upload(stub, self.client_id, reply.session, images, privacy, timeout_s=RPC_TIMEOUT_S * 4)
+        if reply.mean_data_wanted:
+            mean_batch = int(getattr(self.algorithm, "mean_batch"))
+            means_x, means_y = mean_data(self.state.real_x, self.state.real_y, num_classes=self.num_classes, mean_batch=mean_batch,
+                                         seed=client_seed(cfg, self.client_id, "fedmix-means") % (2**32))
+            upload_mean_data(stub, self.client_id, reply.session, means_x, means_y, mean_batch=mean_batch, timeout_s=RPC_TIMEOUT_S * 4)
         log.info("client %d: registered (N_k=%d, %d rounds done)", self.client_id, len(self.state.real_y), reply.completed_rounds)
         stream = stub.Subscribe(pb.SubscribeRequest(client_id=self.client_id, session=reply.session), timeout=SUBSCRIBE_TIMEOUT_S)
         self._stream = stream
@@ -232,7 +239,7 @@ class LogicalClient:
             model=self.model,
             data=self.state.data,
             cfg=replace(local_train_config(cfg), should_stop=self.stop.is_set),
-            server_extra={**groups.get("extra", {}), **self._shared_synthetic(groups.get("synthetic"))},
+            server_extra={**groups.get("extra", {}), **self._shared_synthetic(groups.get("synthetic")), **self._mean_pool(groups.get("mean"))},
             client_state=self.state.algorithm_state,
             generator=round_generator(cfg, self.client_id, task.round),
         )
@@ -290,6 +297,18 @@ class LogicalClient:
             "synthetic_x": images_to_tensor(self.state.shared_images[keep]),
             "synthetic_y": torch.as_tensor(labels[keep], dtype=torch.int64),
         }
+
+    def _mean_pool(self, group: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """FedMix / NaiveMix: keep the pooled mean data (sent once) and hand it to the algorithm every round."""
+        if group is None:
+            return {}
+        assert self.state is not None
+        if "images" in group:
+            x, y, digest = pool_from_group(group)
+            self.state.mean_pool, self.state.shared_digest = (x, y), digest
+        if self.state.mean_pool is None:
+            raise WireError("the task names a mean-data pool but this client never received it")
+        return {"mean_x": self.state.mean_pool[0], "mean_y": self.state.mean_pool[1]}
 
 
 def run_clients(

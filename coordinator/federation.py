@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from coordinator.mean_pool import MeanDataPool
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.progress import ProgressFeed
 from coordinator.registry import ClientRegistry
@@ -51,14 +52,20 @@ class Federation:
         model = build_model(cfg.train.model, num_classes=test.num_classes, in_channels=channels, image_size=height)
         self.state = RunState(model, algorithm, run_id=self.run_id, seed=cfg.seed)
         self.sdafl = SdaflServer(cfg, test.image_shape, test.num_classes) if cfg.train.algorithm == "sdafl" else None
+        self.mean_pool = None  # FedMix / NaiveMix: the clients' pooled mean data
+        if cfg.train.algorithm in ("fedmix", "naivemix"):
+            self.mean_pool = MeanDataPool(image_shape_hwc=(height, test.image_shape[2], channels), num_classes=test.num_classes,
+                                          mean_batch=getattr(algorithm, "mean_batch"), run_id=self.run_id)
         self.lock = threading.Condition()
         self.registry = ClientRegistry(self.lock, metrics, run_id=self.run_id, num_clients=cfg.data.clients,
                                        num_classes=test.num_classes)
         self.progress = ProgressFeed(self.lock)
         self.driver = RoundDriver(cfg, out_dir=out_dir, lock=self.lock, registry=self.registry, state=self.state,
                                   algorithm=algorithm, sdafl=self.sdafl, metrics=metrics, progress=self.progress,
-                                  test_data=test_data)
+                                  test_data=test_data, mean_pool=self.mean_pool)
         self.started = time.time()
+        if self.mean_pool is not None:
+            self.mean_pool.load(out_dir)
         if not self.state.resume(out_dir, self.sdafl):
             loss, acc = evaluate(model, test_data, cfg.train.eval_batch_size)
             self.state.initial = {"accuracy": acc, "loss": loss}
@@ -84,11 +91,11 @@ class Federation:
     def register(
         self, client_id: int, num_samples: int, fedeas_images: int, missing: Iterable[int], run_id: str, synthetic_digest: str = ""
     ) -> str:
-        sdafl = self.sdafl
+        shared = self.sdafl or self.mean_pool  # the set sent once to each client (SDA-FL's images, FedMix's means)
         return self.registry.register(
             client_id, num_samples, fedeas_images, missing, run_id,
             data_fixed=self.state.quota is not None,
-            has_synthetic=lambda digest: sdafl is not None and bool(digest) and digest == sdafl.digest(),
+            has_synthetic=lambda digest: shared is not None and bool(digest) and digest == shared.digest(),
             synthetic_digest=synthetic_digest,
         )
 
@@ -119,7 +126,7 @@ class Federation:
                 rnd.delivered[client_id] = time.monotonic() - rnd.started
                 rnd.bytes_sent += num_bytes
                 record = self.registry.clients.get(client_id)
-                if record is not None and self.sdafl is not None:
+                if record is not None and (self.sdafl is not None or self.mean_pool is not None):
                     record.has_synthetic = True
 
     def watch(self) -> queue.Queue[dict[str, Any]]:
@@ -138,6 +145,14 @@ class Federation:
         with self.lock:
             self.registry.record(header["client_id"], header["session"])
         return self.sdafl.accept_upload(header["client_id"], header, chunks)
+
+    def accept_mean_data(self, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]]) -> int:
+        """FedMix / NaiveMix: validate and pool one client's mean data (once per client, before round 1)."""
+        if self.mean_pool is None:
+            raise StateError(f"this run's algorithm is {self.cfg.train.algorithm!r}; mean-data uploads belong to 'fedmix' and 'naivemix'")
+        with self.lock:
+            record = self.registry.record(header["client_id"], header["session"])
+        return self.mean_pool.accept(header["client_id"], record.num_samples, header, chunks)
 
     def accept_update(self, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]]) -> None:
         """Validate and fold one client's update into the round's running sum; the global model is never touched."""

@@ -24,6 +24,7 @@ CLAIMED_CLIENT_ID: dict[str, tls.ClaimedClientId] = {
     "Heartbeat": lambda request: request.client_id,
     "SubmitUpdate": lambda first: first.header.client_id if first.WhichOneof("kind") == "header" else None,
     "UploadSynthetic": lambda first: first.header.client_id if first.WhichOneof("kind") == "header" else None,
+    "UploadMeanData": lambda first: first.header.client_id if first.WhichOneof("kind") == "header" else None,
 }
 
 

@@ -56,11 +56,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             )
         except (WireError, StateError) as exc:
             _abort_for(context, exc)
-        sdafl = self.federation.sdafl
+        sdafl, mean_pool = self.federation.sdafl, self.federation.mean_pool
         return pb.RegisterReply(
             session=session,
             completed_rounds=self.federation.completed,
             synthetic_uploaded=sdafl is not None and sdafl.uploaded(request.client_id),
+            mean_data_wanted=mean_pool is not None and mean_pool.wanted(request.client_id),
         )
 
     def Subscribe(self, request: pb.SubscribeRequest, context: grpc.ServicerContext) -> Iterator[pb.ServerMessage]:
@@ -133,7 +134,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.SubmitReply(accepted=True)
 
     @staticmethod
-    def _chunks(request_iterator: Iterator[pb.UpdateChunk] | Iterator[pb.SyntheticChunk]) -> Iterator[tuple[int, bytes]]:
+    def _chunks(
+        request_iterator: Iterator[pb.UpdateChunk] | Iterator[pb.SyntheticChunk] | Iterator[pb.MeanDataChunk],
+    ) -> Iterator[tuple[int, bytes]]:
         for message in request_iterator:
             if message.WhichOneof("kind") != "chunk":
                 raise WireError("a stream carries one header, then only chunks")
@@ -164,6 +167,31 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             stored = self.federation.accept_synthetic(header, self._chunks(request_iterator))
         except (WireError, StateError) as exc:
             log.warning("synthetic upload rejected: %s", exc)
+            _abort_for(context, exc)
+        return pb.UploadReply(stored=stored)
+
+    def UploadMeanData(self, request_iterator: Iterator[pb.MeanDataChunk], context: grpc.ServicerContext) -> pb.UploadReply:
+        try:
+            first = next(request_iterator, None)
+            if first is None or first.WhichOneof("kind") != "header":
+                raise WireError("a mean-data upload must start with a MeanDataHeader")
+            h = first.header
+            header = {
+                "client_id": h.client_id,
+                "session": h.session,
+                "count": h.count,
+                "height": h.height,
+                "width": h.width,
+                "channels": h.channels,
+                "num_classes": h.num_classes,
+                "mean_batch": h.mean_batch,
+                "total_bytes": h.payload.total_bytes,
+                "sha256": h.payload.sha256,
+                "num_chunks": h.payload.num_chunks,
+            }
+            stored = self.federation.accept_mean_data(header, self._chunks(request_iterator))
+        except (WireError, StateError) as exc:
+            log.warning("mean-data upload rejected: %s", exc)
             _abort_for(context, exc)
         return pb.UploadReply(stored=stored)
 

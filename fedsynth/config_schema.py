@@ -30,21 +30,23 @@ MAX_EXPONENT = 2.0  # generation.exponent / plan --exponent: past (N_k / C)^2 no
 @dataclass(frozen=True)
 class Bound:
     """The values one algorithm parameter takes: a finite number (an integer if `integer`) >= low, or > low if
-    `strict`. bool is never a number."""
+    `strict`, and <= high. bool is never a number."""
 
     low: float
     strict: bool = False
     integer: bool = False
+    high: float = math.inf
 
     def accepts(self, value: object) -> bool:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return False
         if isinstance(value, float) and (self.integer or not math.isfinite(value)):
             return False
-        return value > self.low if self.strict else value >= self.low
+        return (value > self.low if self.strict else value >= self.low) and value <= self.high
 
     def __str__(self) -> str:
-        return f"{'an integer' if self.integer else 'a finite number'} {'>' if self.strict else '>='} {self.low}"
+        upper = f" and <= {self.high}" if self.high < math.inf else ""
+        return f"{'an integer' if self.integer else 'a finite number'} {'>' if self.strict else '>='} {self.low}{upper}"
 
 
 # Each algorithm's parameters (the fields of its dataclass in fedsynth.algorithms, in order) and their bounds: the
@@ -55,6 +57,9 @@ ALGORITHM_PARAMS: dict[str, dict[str, Bound]] = {
     "scaffold": {"num_clients": Bound(1, integer=True), "global_lr": Bound(0, strict=True)},
     "moon": {"mu": Bound(0), "temperature": Bound(0, strict=True)},
     "sdafl": {"lambda2": Bound(0), "mixup_alpha": Bound(0, strict=True)},
+    # M images per mean (M = 1 would upload raw images) and the mixup weight lambda.
+    "fedmix": {"mean_batch": Bound(2, integer=True), "lam": Bound(0, high=1)},
+    "naivemix": {"mean_batch": Bound(2, integer=True), "lam": Bound(0, high=1)},
 }
 ALGORITHMS = tuple(ALGORITHM_PARAMS)
 

@@ -37,14 +37,16 @@ class RegisterRequest(_message.Message):
     def __init__(self, client_id: _Optional[int] = ..., num_samples: _Optional[int] = ..., fedeas_images: _Optional[int] = ..., missing_classes: _Optional[_Iterable[int]] = ..., run_id: _Optional[str] = ..., synthetic_digest: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("session", "completed_rounds", "synthetic_uploaded")
+    __slots__ = ("session", "completed_rounds", "synthetic_uploaded", "mean_data_wanted")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     SYNTHETIC_UPLOADED_FIELD_NUMBER: _ClassVar[int]
+    MEAN_DATA_WANTED_FIELD_NUMBER: _ClassVar[int]
     session: str
     completed_rounds: int
     synthetic_uploaded: bool
-    def __init__(self, session: _Optional[str] = ..., completed_rounds: _Optional[int] = ..., synthetic_uploaded: _Optional[bool] = ...) -> None: ...
+    mean_data_wanted: bool
+    def __init__(self, session: _Optional[str] = ..., completed_rounds: _Optional[int] = ..., synthetic_uploaded: _Optional[bool] = ..., mean_data_wanted: _Optional[bool] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("client_id", "session")
@@ -245,3 +247,33 @@ class UploadReply(_message.Message):
     STORED_FIELD_NUMBER: _ClassVar[int]
     stored: int
     def __init__(self, stored: _Optional[int] = ...) -> None: ...
+
+class MeanDataHeader(_message.Message):
+    __slots__ = ("client_id", "session", "count", "height", "width", "channels", "num_classes", "mean_batch", "payload")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    MEAN_BATCH_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    session: str
+    count: int
+    height: int
+    width: int
+    channels: int
+    num_classes: int
+    mean_batch: int
+    payload: Payload
+    def __init__(self, client_id: _Optional[int] = ..., session: _Optional[str] = ..., count: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., channels: _Optional[int] = ..., num_classes: _Optional[int] = ..., mean_batch: _Optional[int] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
+
+class MeanDataChunk(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: MeanDataHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[MeanDataHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...

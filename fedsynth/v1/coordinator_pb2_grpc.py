@@ -69,6 +69,11 @@ class CoordinatorStub:
                 request_serializer=fedsynth_dot_v1_dot_coordinator__pb2.SyntheticChunk.SerializeToString,
                 response_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.UploadReply.FromString,
                 _registered_method=True)
+        self.UploadMeanData = channel.stream_unary(
+                '/fedsynth.v1.Coordinator/UploadMeanData',
+                request_serializer=fedsynth_dot_v1_dot_coordinator__pb2.MeanDataChunk.SerializeToString,
+                response_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.UploadReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -124,6 +129,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadMeanData(self, request_iterator, context):
+        """FedMix / NaiveMix: a client uploads its mean-augmented data once: a MeanDataHeader, then chunks of safetensors
+        bytes holding "images" (float32 N x H x W x C, pixel means in [0, 255]) and "labels" (float32 N x C, label means).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -160,6 +173,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'UploadSynthetic': grpc.stream_unary_rpc_method_handler(
                     servicer.UploadSynthetic,
                     request_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.SyntheticChunk.FromString,
+                    response_serializer=fedsynth_dot_v1_dot_coordinator__pb2.UploadReply.SerializeToString,
+            ),
+            'UploadMeanData': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadMeanData,
+                    request_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.MeanDataChunk.FromString,
                     response_serializer=fedsynth_dot_v1_dot_coordinator__pb2.UploadReply.SerializeToString,
             ),
     }
@@ -351,6 +369,33 @@ class Coordinator:
             target,
             '/fedsynth.v1.Coordinator/UploadSynthetic',
             fedsynth_dot_v1_dot_coordinator__pb2.SyntheticChunk.SerializeToString,
+            fedsynth_dot_v1_dot_coordinator__pb2.UploadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadMeanData(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/fedsynth.v1.Coordinator/UploadMeanData',
+            fedsynth_dot_v1_dot_coordinator__pb2.MeanDataChunk.SerializeToString,
             fedsynth_dot_v1_dot_coordinator__pb2.UploadReply.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,65 @@
+"""FedMix / NaiveMix on the client: average the private shard in random groups of M, upload the means once, and
+unpack the coordinator's pool when a task carries it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from fedsynth import codec, grpcutil
+from fedsynth.errors import WireError
+from fedsynth.v1 import coordinator_pb2 as pb
+from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+def mean_data(images: np.ndarray, labels: np.ndarray, *, num_classes: int, mean_batch: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(means of the images, float32 N x H x W x C in [0, 255]; means of their one-hot labels, float32 N x classes).
+
+    The shard is shuffled by `seed` and cut into floor(N_k / M) groups of exactly M images (the paper's random
+    batches of M); the N_k mod M left over are not used, so no mean covers fewer than M images."""
+    count = len(labels) // mean_batch
+    order = np.random.default_rng(seed).permutation(len(labels))[: count * mean_batch].reshape(count, mean_batch)
+    one_hot = np.eye(num_classes, dtype=np.float64)[labels]
+    means_x = images[order].astype(np.float64).mean(axis=1).astype(np.float32)
+    means_y = one_hot[order].mean(axis=1).astype(np.float32)
+    return means_x.reshape(count, *images.shape[1:]), means_y.reshape(count, num_classes)
+
+
+def upload_mean_data(stub: pb_grpc.CoordinatorStub, client_id: int, session: str, images: np.ndarray, labels: np.ndarray, *,
+                     mean_batch: int, timeout_s: float) -> int:
+    data = codec.encode({"images": torch.from_numpy(images), "labels": torch.from_numpy(labels)})
+    meta = codec.describe(data)
+    _, h, w, c = images.shape
+    header = pb.MeanDataHeader(
+        client_id=client_id, session=session, count=len(labels), height=h, width=w, channels=c,
+        num_classes=labels.shape[1], mean_batch=mean_batch,
+        payload=pb.Payload(total_bytes=meta.total_bytes, sha256=meta.sha256, num_chunks=meta.num_chunks),
+    )
+
+    def messages() -> Iterator[pb.MeanDataChunk]:
+        yield pb.MeanDataChunk(header=header)
+        for seq, piece in codec.split(data):
+            yield pb.MeanDataChunk(chunk=pb.Chunk(seq=seq, data=piece))
+
+    reply = grpcutil.call_with_retry(lambda: stub.UploadMeanData(messages(), timeout=timeout_s), deadline_s=timeout_s,
+                                     what=f"client {client_id} mean-data upload")
+    log.info("client %d: uploaded %d means of %d images", client_id, reply.stored, mean_batch)
+    return int(reply.stored)
+
+
+def pool_from_group(group: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(pooled images on the model's input scale, N x C x H x W; pooled labels N x classes; the pool's digest) from a
+    task's "mean" group that carries the data."""
+    images, labels, digest = group.get("images"), group.get("labels"), group.get("digest")
+    if images is None or labels is None or digest is None:
+        raise WireError(f"the task's mean group must hold images, labels and digest, got {sorted(group)}")
+    if images.dtype != torch.float32 or labels.dtype != torch.float32 or images.ndim != 4 or labels.ndim != 2 or len(images) != len(labels):
+        raise WireError(f"pooled mean data of {images.dtype} {tuple(images.shape)} and {labels.dtype} {tuple(labels.shape)}")
+    # The same affine map as fedsynth.training.images_to_tensor: the mean of scaled images is the scaled mean.
+    x = images.permute(0, 3, 1, 2).contiguous().div(127.5).sub(1.0)
+    return x, labels, bytes(digest.tolist()).hex()

@@ -23,10 +23,15 @@ def sample_per_class(sampler: DdimSampler, *, per_class: int, seed: int) -> tupl
 
 def save_class_grid(sampler: DdimSampler, path: Path, *, per_class: int, seed: int) -> Path:
     images, _ = sample_per_class(sampler, per_class=per_class, seed=seed)
+    return save_image_grid(images, path, num_classes=sampler.num_classes, per_class=per_class)
+
+
+def save_image_grid(images: np.ndarray, path: Path, *, num_classes: int, per_class: int) -> Path:
+    """Write uint8 N x H x W x C images, per_class of each class in class order, as a grid with a row per class."""
     images = np.pad(images, ((0, 0), (0, 1), (0, 1), (0, 0)), constant_values=GAP_VALUE)  # a line between cells
     _, h, w, c = images.shape
-    rows = images.reshape(sampler.num_classes, per_class, h, w, c)
-    grid = rows.transpose(0, 2, 1, 3, 4).reshape(sampler.num_classes * h, per_class * w, c)
+    rows = images.reshape(num_classes, per_class, h, w, c)
+    grid = rows.transpose(0, 2, 1, 3, 4).reshape(num_classes * h, per_class * w, c)
     picture = Image.fromarray(grid[..., 0] if c == 1 else grid)
     scale = max(1, MIN_CELL_PIXELS // (h - 1))
     if scale > 1:

@@ -129,3 +129,25 @@ def test_images_with_other_classes_or_shapes_are_refused(tmp_path: Path, judges:
 def _assert_one_error_line(err: str, message: str) -> None:
     errors = [line for line in err.splitlines() if line.startswith("fedsynth generator evaluate: error:")]
     assert "Traceback" not in err and len(errors) == 1 and message in errors[0], err
+
+
+def test_a_served_generator_gives_the_same_figures_as_the_same_backend_in_process(
+        tmp_path: Path, judges: Path, holdout: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from generator_service import ServeConfig, create_server
+
+    server = create_server(ServeConfig(backend="holdout", dataset="digits", holdout_fraction=0.2, seed=0, metrics_port=-1,
+                                       max_request_images=500, queue_limit=500), registry=CollectorRegistry())
+    port = server.start()
+    server.load()
+    try:
+        served = _evaluate(tmp_path, judges, "--generator", f"127.0.0.1:{port}", "--insecure")
+        for key in ("recognizability", "per_class_recognizability", "cas", "frechet", "model_id", "backend"):
+            assert served[key] == holdout[key], key
+        code = cli.main(["generator", "evaluate", "--generator", f"127.0.0.1:{port}", "--insecure", "--per-class", "60",
+                         "--threads", "1", "--judge-cache", str(judges)])
+        assert code == 1  # 600 images > --max-request-images 500: the server's refusal, in one line
+        _assert_one_error_line(capsys.readouterr().err, "answered INVALID_ARGUMENT")
+    finally:
+        server.stop(0)

@@ -14,7 +14,7 @@ from fedsynth import grpcutil
 from fedsynth.errors import ConfigError
 from fedsynth.generator_client import GeneratorInfo, fetch_images
 
-INFO_TIMEOUT_S = 120.0
+INFO_TIMEOUT_S = 60.0  # a generator still loading answers UNAVAILABLE meanwhile
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,14 @@ def from_channel(channel: grpc.Channel, *, per_class: int, seed: int, timeout_s:
 
 def from_address(address: str, credentials: grpc.ChannelCredentials | None, *, per_class: int, seed: int,
                  timeout_s: float) -> GeneratedImages:
+    """As from_channel; a refused or unreachable generator is a ConfigError naming the address, status and reason."""
     channel = grpcutil.make_channel(address, credentials)
     try:
         return from_channel(channel, per_class=per_class, seed=seed, timeout_s=timeout_s)
+    except grpc.RpcError as exc:
+        code = exc.code().name if isinstance(exc, grpc.Call) else "error"
+        details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+        raise ConfigError(f"the generator at {address} answered {code}: {details}") from exc
     finally:
         channel.close()
 

@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     if args.images is not None and not args.images.is_file():  # before training a judge
-        raise ConfigError(f"--images {str(args.images)!r} does not exist")
+        raise ConfigError(f"--images {str(args.images)!r} does not exist or is not a file")
     generated = _images(args)
     dataset = args.dataset or generated.dataset
     if dataset not in DATASETS:

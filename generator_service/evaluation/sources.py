@@ -78,7 +78,7 @@ def from_npz(path: Path, *, per_class: int | None) -> GeneratedImages:
     """Images `x` (uint8 N x H x W x C, or N x H x W) and labels `y`; per_class: the first that many of each class."""
     started = time.perf_counter()
     if not path.is_file():
-        raise ConfigError(f"--images {str(path)!r} does not exist")
+        raise ConfigError(f"--images {str(path)!r} does not exist or is not a file")
     try:
         with np.load(path, allow_pickle=False) as archive:
             if "x" not in archive.files or "y" not in archive.files:

@@ -130,6 +130,7 @@ class LogicalClient:
                 missing_classes=[int(c) for c in np.flatnonzero(counts == 0)] if cfg.generation.policy == "missing" else [],
                 run_id=spec.run_id,
                 synthetic_digest=self.state.shared_digest,
+                label_counts=[int(c) for c in counts] if cfg.train.algorithm == "fedgen" else [],
             ),
             timeout=RPC_TIMEOUT_S,
         )

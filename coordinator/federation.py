@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from coordinator.fedgen_server import FedGenServer
 from coordinator.mean_pool import MeanDataPool
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.progress import ProgressFeed
@@ -28,6 +29,7 @@ from coordinator.run_state import RunState
 from coordinator.sdafl_server import SdaflServer
 from coordinator.updates import receive_update
 from fedsynth import codec
+from fedsynth.algorithms.fedgen import FedGen
 from fedsynth.assembly import algorithm_for
 from fedsynth.config import RunConfig
 from fedsynth.data import load_dataset
@@ -56,13 +58,14 @@ class Federation:
         if cfg.train.algorithm in ("fedmix", "naivemix"):
             self.mean_pool = MeanDataPool(image_shape_hwc=(height, test.image_shape[2], channels), num_classes=test.num_classes,
                                           mean_batch=getattr(algorithm, "mean_batch"), run_id=self.run_id)
+        self.fedgen = FedGenServer(algorithm, seed=cfg.seed) if isinstance(algorithm, FedGen) else None
         self.lock = threading.Condition()
         self.registry = ClientRegistry(self.lock, metrics, run_id=self.run_id, num_clients=cfg.data.clients,
                                        num_classes=test.num_classes)
         self.progress = ProgressFeed(self.lock)
         self.driver = RoundDriver(cfg, out_dir=out_dir, lock=self.lock, registry=self.registry, state=self.state,
                                   algorithm=algorithm, sdafl=self.sdafl, metrics=metrics, progress=self.progress,
-                                  test_data=test_data, mean_pool=self.mean_pool)
+                                  test_data=test_data, mean_pool=self.mean_pool, fedgen=self.fedgen)
         self.started = time.time()
         if self.mean_pool is not None:
             self.mean_pool.load(out_dir)
@@ -89,7 +92,8 @@ class Federation:
     # ---- registration and streams (called from gRPC threads) -----------------------------------
 
     def register(
-        self, client_id: int, num_samples: int, fedeas_images: int, missing: Iterable[int], run_id: str, synthetic_digest: str = ""
+        self, client_id: int, num_samples: int, fedeas_images: int, missing: Iterable[int], run_id: str, synthetic_digest: str = "",
+        label_counts: Iterable[int] = (),
     ) -> str:
         shared = self.sdafl or self.mean_pool  # the set sent once to each client (SDA-FL's images, FedMix's means)
         return self.registry.register(
@@ -97,6 +101,7 @@ class Federation:
             data_fixed=self.state.quota is not None,
             has_synthetic=lambda digest: shared is not None and bool(digest) and digest == shared.digest(),
             synthetic_digest=synthetic_digest,
+            label_counts=label_counts, need_label_counts=self.fedgen is not None,
         )
 
     def open_stream(self, client_id: int, session: str) -> queue.Queue[Any]:
@@ -175,6 +180,8 @@ class Federation:
                 raise StateError(f"round {rnd.number} closed before client {client_id}'s update was complete")
             started = time.monotonic()
             rnd.aggregator.add(update.state, update.extra, float(record.num_samples))
+            if self.fedgen is not None:
+                self.fedgen.keep_head(rnd.number, client_id, update.state)
             rnd.aggregation_s += time.monotonic() - started
             rnd.answered[client_id] = {
                 "train_seconds": header["train_seconds"],

@@ -28,6 +28,7 @@ class ClientRecord:
     outbox: queue.Queue[Any] | None = None
     generation: dict[str, Any] | None = None
     has_synthetic: bool = False  # SDA-FL: holds the current shared synthetic images
+    label_counts: tuple[int, ...] = ()  # FedGen: n_k^c per class, reported once at registration
     last_heartbeat: float | None = None  # monotonic time of its last Heartbeat RPC; None: it has sent none yet
 
 
@@ -45,8 +46,10 @@ class ClientRegistry:
         self.finished: Finished | None = None
 
     def register(self, client_id: int, num_samples: int, fedeas_images: int, missing: Iterable[int], run_id: str, *,
-                 data_fixed: bool, has_synthetic: Callable[[str], bool], synthetic_digest: str = "") -> str:
-        """Admit (or re-admit) a client; once the budget is fixed (data_fixed) it must report the same data."""
+                 data_fixed: bool, has_synthetic: Callable[[str], bool], synthetic_digest: str = "",
+                 label_counts: Iterable[int] = (), need_label_counts: bool = False) -> str:
+        """Admit (or re-admit) a client; once the budget is fixed (data_fixed) it must report the same data.
+        With need_label_counts (FedGen) it must report C label counts summing to num_samples, and the same ones again."""
         if run_id != self.run_id:
             raise StateError(f"client {client_id} was configured for run {run_id!r}, this coordinator runs {self.run_id!r}")
         if not 0 <= client_id < self.num_clients:
@@ -56,12 +59,20 @@ class ClientRegistry:
         missing = tuple(sorted(set(missing)))
         if any(c >= self.num_classes for c in missing):
             raise WireError(f"client {client_id} reported missing class ids {missing} outside 0..{self.num_classes - 1}")
+        counts = tuple(int(c) for c in label_counts)
+        if need_label_counts and len(counts) != self.num_classes:
+            raise WireError(f"client {client_id} reported {len(counts)} label counts; this run has {self.num_classes} classes")
+        if counts and sum(counts) != num_samples:
+            raise WireError(f"client {client_id}'s label counts sum to {sum(counts)}, but it reported num_samples={num_samples}")
         with self.lock:
             old = self.clients.get(client_id)
+            if old and old.label_counts and counts != old.label_counts:
+                raise StateError(f"client {client_id} re-registered with label counts {list(counts)}, not {list(old.label_counts)}")
             if old and data_fixed and (old.num_samples, old.fedeas_images, old.missing_classes) != (num_samples, fedeas_images, missing):
                 raise StateError(f"client {client_id} re-registered with different data than before")
             record = ClientRecord(client_id, num_samples, fedeas_images, missing, secrets.token_hex(16))
             record.has_synthetic = has_synthetic(synthetic_digest)
+            record.label_counts = counts
             if old is not None:
                 record.generation = old.generation
                 self._close_outbox(old)

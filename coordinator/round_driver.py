@@ -19,6 +19,7 @@ import torch
 
 from coordinator import checkpoint
 from coordinator.dispatch import Finished, TaskDelivery
+from coordinator.fedgen_server import FedGenServer
 from coordinator.mean_pool import MeanDataPool
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.progress import ProgressFeed
@@ -56,7 +57,8 @@ class ClosedRound:
 class RoundDriver:
     def __init__(self, cfg: RunConfig, *, out_dir: Path, lock: threading.Condition, registry: ClientRegistry,
                  state: RunState, algorithm: Algorithm, sdafl: SdaflServer | None, metrics: CoordinatorMetrics,
-                 progress: ProgressFeed, test_data: TrainData, mean_pool: MeanDataPool | None = None) -> None:
+                 progress: ProgressFeed, test_data: TrainData, mean_pool: MeanDataPool | None = None,
+                 fedgen: FedGenServer | None = None) -> None:
         self.cfg = cfg
         self.out_dir = out_dir
         self.lock = lock
@@ -68,6 +70,7 @@ class RoundDriver:
         self.progress = progress
         self.test_data = test_data
         self.mean_pool = mean_pool
+        self.fedgen = fedgen
         self.current: RoundInProgress | None = None
         # With overlap_evaluation, round r is tested (then checkpointed and published) on this thread while
         # round r+1 already trains: the clients never wait for the coordinator's test pass.
@@ -204,6 +207,11 @@ class RoundDriver:
         state.model.load_state_dict(new_global)
         rnd.aggregation_s += time.monotonic() - started
         sdafl_summary = self.sdafl.after_aggregation(state.model, number) if self.sdafl is not None else {}
+        if self.fedgen is not None:  # FedGen: train the feature generator on this round's heads (goes out next round)
+            with self.lock:
+                counts = {c: r.label_counts for c, r in self.registry.clients.items()}
+            state.server_state, fedgen_summary = self.fedgen.after_aggregation(state.server_state, counts, number)
+            sdafl_summary = {**sdafl_summary, **fedgen_summary}
         state.completed = number
         closed = ClosedRound(rnd, closed_at, copy.deepcopy(state.model), state.snapshot(self.sdafl), sdafl_summary)
         self._await_evaluation()  # round r-1's (long done, normally): its errors surface here, in order

@@ -53,6 +53,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 request.missing_classes,
                 request.run_id,
                 request.synthetic_digest,
+                request.label_counts,
             )
         except (WireError, StateError) as exc:
             _abort_for(context, exc)

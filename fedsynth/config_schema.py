@@ -60,6 +60,9 @@ ALGORITHM_PARAMS: dict[str, dict[str, Bound]] = {
     # M images per mean (M = 1 would upload raw images) and the mixup weight lambda.
     "fedmix": {"mean_batch": Bound(2, integer=True), "lam": Bound(0, high=1)},
     "naivemix": {"mean_batch": Bound(2, integer=True), "lam": Bound(0, high=1)},
+    # The clients' regularizer weights and their per-round decay; the server's generator steps, batch and Adam lr.
+    "fedgen": {"alpha": Bound(0), "beta": Bound(0), "decay": Bound(0, strict=True, high=1), "gen_steps": Bound(0, integer=True),
+               "gen_batch_size": Bound(1, integer=True), "gen_lr": Bound(0, strict=True)},
 }
 ALGORITHMS = tuple(ALGORITHM_PARAMS)
 

@@ -21,20 +21,22 @@ class RunSpec(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., num_clients: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("client_id", "num_samples", "fedeas_images", "missing_classes", "run_id", "synthetic_digest")
+    __slots__ = ("client_id", "num_samples", "fedeas_images", "missing_classes", "run_id", "synthetic_digest", "label_counts")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     FEDEAS_IMAGES_FIELD_NUMBER: _ClassVar[int]
     MISSING_CLASSES_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SYNTHETIC_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LABEL_COUNTS_FIELD_NUMBER: _ClassVar[int]
     client_id: int
     num_samples: int
     fedeas_images: int
     missing_classes: _containers.RepeatedScalarFieldContainer[int]
     run_id: str
     synthetic_digest: str
-    def __init__(self, client_id: _Optional[int] = ..., num_samples: _Optional[int] = ..., fedeas_images: _Optional[int] = ..., missing_classes: _Optional[_Iterable[int]] = ..., run_id: _Optional[str] = ..., synthetic_digest: _Optional[str] = ...) -> None: ...
+    label_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, client_id: _Optional[int] = ..., num_samples: _Optional[int] = ..., fedeas_images: _Optional[int] = ..., missing_classes: _Optional[_Iterable[int]] = ..., run_id: _Optional[str] = ..., synthetic_digest: _Optional[str] = ..., label_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("session", "completed_rounds", "synthetic_uploaded", "mean_data_wanted")

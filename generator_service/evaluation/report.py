@@ -22,13 +22,15 @@ def evaluate_images(judge: Judge, generated: GeneratedImages, *, seed: int, data
     overall, per_class = recognizability(predicted, generated.labels, c)
     confidence = probs[np.arange(len(probs)), generated.labels]
     frechet, per_class_frechet = frechet_to(judge.reference, feature_stats(features, generated.labels, c))
-    real_frechet, real_per_class = frechet_to(judge.reference, judge.real_test)
+    counts = np.bincount(generated.labels, minlength=c)
+    test = load_dataset(judge.dataset, "test", data_dir=data_dir)
+    real = _matched_sample(test, counts, seed)  # Fréchet estimates grow as N shrinks: compare at the same N
+    real_frechet, real_per_class = frechet_to(judge.reference, feature_stats(judge.score(real.x)[0], real.y, c))
     scored_s = time.perf_counter() - started
     cas_started = time.perf_counter()
     synthetic = ArrayDataset(judge.dataset, generated.images, generated.labels, c)
     classifier = train_classifier(judge.recipe, synthetic, seed, steps=judge.recipe.cas_steps)
-    cas = accuracy(classifier, load_dataset(judge.dataset, "test", data_dir=data_dir))
-    counts = np.bincount(generated.labels, minlength=c)
+    cas = accuracy(classifier, test)
     return {
         "recognizability": overall,
         "per_class_recognizability": per_class,
@@ -36,8 +38,9 @@ def evaluate_images(judge: Judge, generated: GeneratedImages, *, seed: int, data
         "cas": cas,
         "frechet": frechet,
         "per_class_frechet": per_class_frechet,
-        "real_test_frechet": real_frechet,  # the real test split against the same reference: real-vs-real
+        "real_test_frechet": real_frechet,  # real test images (as many per class as generated, where there are) vs the same reference
         "real_test_per_class_frechet": real_per_class,
+        "real_test_n_per_class": np.bincount(real.y, minlength=c).tolist(),
         "judge_test_accuracy": judge.test_accuracy,
         "judge_train_accuracy": judge.train_accuracy,
         "chance": 1.0 / c,
@@ -54,3 +57,10 @@ def evaluate_images(judge: Judge, generated: GeneratedImages, *, seed: int, data
         "seconds": {"judge": judge.seconds, "images": generated.seconds, "scoring": scored_s,
                     "cas": time.perf_counter() - cas_started},
     }
+
+
+def _matched_sample(test: ArrayDataset, counts: np.ndarray, seed: int) -> ArrayDataset:
+    """A seeded sample of the real test split with counts[c] images of class c (all of them where it holds fewer)."""
+    rng = np.random.default_rng([seed, 0x7E57])
+    chosen = [rng.permutation(np.flatnonzero(test.y == c))[: int(n)] for c, n in enumerate(counts)]
+    return test.subset(np.sort(np.concatenate(chosen)))

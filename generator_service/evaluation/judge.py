@@ -73,7 +73,6 @@ class Judge:
     test_accuracy: float
     train_accuracy: float
     reference: FeatureStats  # judge features of the real training split, overall and per class
-    real_test: FeatureStats  # the same for the real test split (the real-vs-real Fréchet figure)
     cached: bool  # True: loaded from the folder; False: trained by this call
     seconds: float
 
@@ -143,14 +142,13 @@ def load_or_train_judge(dataset: str, *, data_dir: Path | None, seed: int, recip
         model.load_state_dict(load_file(folder / WEIGHTS_FILE))
         with np.load(folder / REFERENCE_FILE, allow_pickle=False) as arrays:
             reference = FeatureStats.from_arrays(arrays, "train")
-            real_test = FeatureStats.from_arrays(arrays, "test")
         log.info("judge loaded from %s (test accuracy %.4f)", folder, meta["test_accuracy"])
         return Judge(model.eval(), recipe, dataset, train.num_classes, train.image_shape, folder, meta["test_accuracy"],
-                     meta["train_accuracy"], reference, real_test, True, time.perf_counter() - started)
+                     meta["train_accuracy"], reference, True, time.perf_counter() - started)
     log.info("training the judge (%s, %d epochs, seed %d) on %d real images; cached in %s",
              recipe.model, recipe.epochs, seed, len(train.y), folder)
     model = train_classifier(recipe, train, seed)
-    reference, real_test = _stats(model, train), _stats(model, test)
+    reference = _stats(model, train)
     meta = {"key": key, "test_accuracy": accuracy(model, test), "train_accuracy": accuracy(model, train),
             "train_seconds": time.perf_counter() - started, "num_classes": train.num_classes,
             "image_shape": list(train.image_shape)}
@@ -158,7 +156,7 @@ def load_or_train_judge(dataset: str, *, data_dir: Path | None, seed: int, recip
     def write(tmp: Path) -> None:
         tmp.mkdir()
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp / WEIGHTS_FILE)
-        np.savez(tmp / REFERENCE_FILE, **reference.to_arrays("train"), **real_test.to_arrays("test"))
+        np.savez(tmp / REFERENCE_FILE, **reference.to_arrays("train"))
         (tmp / JUDGE_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
     if not (folder / JUDGE_FILE).is_file():  # another process may have finished the same judge meanwhile
@@ -168,7 +166,7 @@ def load_or_train_judge(dataset: str, *, data_dir: Path | None, seed: int, recip
             log.warning("could not cache the judge in %s (%s)", folder, exc)
     log.info("judge trained in %.1fs: test accuracy %.4f", meta["train_seconds"], meta["test_accuracy"])
     return Judge(model, recipe, dataset, train.num_classes, train.image_shape, folder, meta["test_accuracy"],
-                 meta["train_accuracy"], reference, real_test, False, time.perf_counter() - started)
+                 meta["train_accuracy"], reference, False, time.perf_counter() - started)
 
 
 def describe(judge: Judge) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 training is ever taken for a frozen client, and from a coordinator restart to the next round.
 
 python benchmarks/fault_timings.py            # prints a markdown table; each figure is one measurement
-python benchmarks/fault_timings.py --train-steps 600   # a longer local training (ResNet-18 steps) in the second part
+python benchmarks/fault_timings.py --train-steps 400   # a shorter local training (ResNet-18 steps) in the second part
 """
 
 from __future__ import annotations
@@ -98,14 +98,14 @@ def frozen_versus_training(root: Path, train_steps: int) -> tuple[float, float, 
         coord.process.wait(timeout=3600)
         record = json.loads((out / "coordinator.json").read_text())
         training = record["rounds"][0]["phases_s"]["training"]
-        return dropped, training, _disconnect_time(coord.log_path, 0) is not None
+        return dropped, training, "client 0 dropped" in coord.log_path.read_text()  # it disconnects at the end
     finally:
         group.stop_all(grace_s=5)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--train-steps", type=int, default=400, help="ResNet-18 steps of the long local training")
+    parser.add_argument("--train-steps", type=int, default=800, help="ResNet-18 steps of the long local training")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="fault-timings-"))
     group = ProcessGroup(root / "logs")

@@ -12,7 +12,7 @@ import torch
 
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.server import create_server
-from fedsynth import grpcutil, tls
+from fedsynth import grpcutil, lifetime, tls
 from fedsynth.config import load_config
 from fedsynth.errors import QuorumError
 from fedsynth.metrics import add_metrics_arguments, serve_metrics_from_args
@@ -72,8 +72,9 @@ def run(args: argparse.Namespace) -> int:
     while driver.is_alive() and not stopped.is_set():
         driver.join(timeout=0.5)
     if stopped.is_set():
-        log.info("stopped by signal after round %d (checkpoint kept)", federation.completed)
-        return 143
+        federation.driver.wait_for_evaluation(timeout_s=30.0)  # an aggregated round's checkpoint is still kept
+        log.info("stopped by signal after round %d (checkpoint kept)", federation.driver.checkpointed)
+        lifetime.exit_now(143)
     federation.drain(timeout_s=10.0)
     write_json(
         out_dir / "coordinator.json",
@@ -91,4 +92,6 @@ def run(args: argparse.Namespace) -> int:
         },
     )
     coordinator.stop(grace_s=2.0)
-    return int(outcome.get("code", EXIT_BELOW_QUORUM))
+    # Everything is written and the server is down: skip the interpreter's teardown (1-2 s after torch, and a hang
+    # under load was seen once), whose thread joins can only delay the exit code the launcher waits for.
+    lifetime.exit_now(int(outcome.get("code", EXIT_BELOW_QUORUM)))

@@ -220,6 +220,21 @@ class RoundDriver:
         else:
             self._evaluating = self._evaluator.submit(self._conclude, closed)
 
+    def wait_for_evaluation(self, timeout_s: float) -> None:
+        """On shutdown: let the round being tested reach its checkpoint (bounded); its errors are only logged."""
+        evaluating = self._evaluating
+        if evaluating is not None:
+            try:
+                evaluating.result(timeout=timeout_s)
+            except Exception as exc:  # noqa: BLE001 - shutting down anyway; the error is reported, not raised
+                log.warning("evaluation of the last aggregated round did not finish: %s", exc)
+
+    @property
+    def checkpointed(self) -> int:
+        """Rounds recorded in the checkpoint (aggregated rounds may still be under test)."""
+        with self.lock:
+            return len(self.state.history)
+
     def _await_evaluation(self) -> None:
         if self._evaluating is not None:
             evaluating, self._evaluating = self._evaluating, None

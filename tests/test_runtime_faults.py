@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import signal
 import socket
 import time
 from pathlib import Path
@@ -101,3 +102,19 @@ def test_below_quorum_the_coordinator_exits_3_within_the_registration_timeout(ru
     record = read_record(tmp_path / "run")
     assert record["success"] is False and record["error"] == message and record["rounds"] == []
     assert wait_exit(lone, 30) == 3  # the client learns the run failed and exits with the same code
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_sigterm_stops_the_coordinator_with_143_and_its_checkpoint_kept(runtime: Runtime, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    coord = runtime.coordinator({**SLOW_TRAINING_RUN, "train.rounds": 6}, out)
+    runtime.clients(coord.address, "0-2")
+    wait_until(lambda: completed_rounds(out) >= 1, timeout_s=150, what="round 1 checkpointed", interval_s=0.05)
+    coord.child.process.send_signal(signal.SIGTERM)
+    stopped_at = time.monotonic()
+    assert coord.wait(30) == 143, coord.log()[-3000:]
+    assert time.monotonic() - stopped_at < 15
+    kept = completed_rounds(out)
+    assert 1 <= kept < 6
+    assert f"stopped by signal after round {kept} (checkpoint kept)" in coord.log()

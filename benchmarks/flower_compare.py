@@ -116,7 +116,7 @@ def run_ours(folder: Path, clients: int, rounds: int, model: str) -> dict[str, l
     settings = {
         "data.dataset": "cifar10", "data.data_dir": str(folder), "data.clients": clients, "data.partition": "iid",
         "data.min_size": 0, "train.model": model, "train.rounds": rounds, "train.max_steps": 0,
-        "generation.policy": "none", "runtime.heartbeat_s": 5.0,
+        "generation.policy": "none", "runtime.heartbeat_s": 5.0, "runtime.heartbeat_timeout_s": 15.0,
     }
     ends: list[float] = []
     record = run_local_federation(run_dir, settings, clients=clients, clients_per_process=1,

@@ -64,7 +64,7 @@ def cifar_shaped_folder(folder: Path) -> None:
 def start_coordinator(group: ProcessGroup, folder: Path, rounds: int) -> str:
     settings = {
         "data.dataset": "cifar10", "data.data_dir": str(folder), "data.clients": 1, "train.model": "resnet18",
-        "train.rounds": rounds, "generation.policy": "none", "runtime.heartbeat_s": 5.0,
+        "train.rounds": rounds, "generation.policy": "none", "runtime.heartbeat_s": 5.0, "runtime.heartbeat_timeout_s": 15.0,
     }
     sets = [item for key, value in settings.items() for item in ("--set", f"{key}={json.dumps(value)}")]
     port_file = folder / "coordinator.port"

@@ -149,8 +149,9 @@ class LogicalClient:
         stream = stub.Subscribe(pb.SubscribeRequest(client_id=self.client_id, session=reply.session), timeout=SUBSCRIBE_TIMEOUT_S)
         self._stream = stream
         beating = threading.Event()
-        threading.Thread(target=self._heartbeats, args=(stub, reply.session, cfg.runtime.heartbeat_s, beating),
-                         name=f"heartbeat-{self.client_id}", daemon=True).start()
+        heartbeats = threading.Thread(target=self._heartbeats, args=(stub, reply.session, cfg.runtime.heartbeat_s, beating),
+                                      name=f"heartbeat-{self.client_id}", daemon=True)
+        heartbeats.start()
         try:
             for message in stream:
                 kind = message.WhichOneof("kind")
@@ -167,19 +168,26 @@ class LogicalClient:
             raise
         finally:
             beating.set()
+            # Joined (its call has half a period to answer): a thread left inside a gRPC call when the interpreter
+            # exits makes gRPC's core abort the process ("terminate called without an active exception").
+            heartbeats.join(timeout=cfg.runtime.heartbeat_s)
             self._stream = None
             stream.cancel()
 
     def _heartbeats(self, stub: pb_grpc.CoordinatorStub, session: str, every_s: float, done: threading.Event) -> None:
-        """Tell the coordinator this client is alive while its dispatch stream is open, training or not."""
+        """Tell the coordinator this client is alive while its dispatch stream is open, training or not: at a fixed
+        rate, each call with half a period to answer, so one slow call never stretches the gap past two periods."""
         request = pb.ClientHeartbeat(client_id=self.client_id, session=session)
-        while True:
+        next_at = time.monotonic()
+        while not done.is_set():
             try:
-                stub.Heartbeat(request, timeout=every_s)
+                stub.Heartbeat(request, timeout=every_s / 2)
             except grpc.RpcError as exc:  # the stream and the other RPCs handle a lost link; this only reports it
                 log.debug("client %d: heartbeat failed: %s", self.client_id, exc.code() if isinstance(exc, grpc.Call) else exc)
-            if done.wait(every_s):
+            except ValueError:  # the channel was closed under us: the session is over
                 return
+            next_at += every_s
+            done.wait(max(0.0, next_at - time.monotonic()))
 
     def _prepare(self, cfg: RunConfig) -> ClientState:
         shard = client_shard(cfg, self.client_id)

@@ -48,7 +48,10 @@ def run(args: argparse.Namespace) -> int:
     coordinator, bound = create_server(cfg, out_dir=out_dir, host=host, port=port, security=security,
                                        metrics=CoordinatorMetrics())
     federation = coordinator.federation
-    stopped = grpcutil.stop_on_signals(coordinator.server, coordinator.health, before_stop=federation.close_streams)
+    # 2 s for in-flight RPCs on SIGTERM: completed rounds are checkpointed already, and a child must be gone soon
+    # after its launcher (the parent-death signal) or a service manager asks.
+    stopped = grpcutil.stop_on_signals(coordinator.server, coordinator.health, grace_s=2.0,
+                                       before_stop=federation.close_streams)
     log.info("coordinator serving on %s:%d (%s; run %s, resuming after round %d)", host, bound,
              "mutual TLS" if security.files else "PLAINTEXT", federation.run_id, federation.completed)
     if args.port_file:

@@ -134,8 +134,18 @@ class ClientRegistry:
         return [r.client_id for r in silent]
 
     def is_connected(self, client_id: int) -> bool:
+        """It has an open dispatch stream: a task can be pushed to it."""
         record = self.clients.get(client_id)
         return record is not None and record.outbox is not None
+
+    def is_reachable(self, client_id: int, heartbeat_timeout_s: float) -> bool:
+        """Connected, or heartbeating still: a client whose stream was dropped while it was frozen, and that thawed
+        mid-training, may yet answer its round (it subscribes again once it has)."""
+        record = self.clients.get(client_id)
+        if record is None:
+            return False
+        recent = record.last_heartbeat is not None and time.monotonic() - record.last_heartbeat <= heartbeat_timeout_s
+        return record.outbox is not None or recent
 
     def send(self, client_id: int, item: Any) -> None:
         """Queue an item on the client's open stream; nothing happens for a client without one."""

@@ -75,7 +75,7 @@ class RoundDriver:
         # With overlap_evaluation, round r is tested (then checkpointed and published) on this thread while
         # round r+1 already trains: the clients never wait for the coordinator's test pass.
         self._evaluator = ThreadPoolExecutor(1, thread_name_prefix="evaluation") if cfg.runtime.overlap_evaluation else None
-        self._evaluating: Future[None] | None = None
+        self._evaluating: Future[None] | None = None  # the last round submitted for evaluation (kept once done)
 
     def run(self) -> None:
         """Play every remaining round; raises QuorumError when the run cannot go on."""
@@ -103,7 +103,7 @@ class RoundDriver:
             self._await_evaluation()
             self.finish(Finished(f"completed {self.cfg.train.rounds} rounds", True, EXIT_OK))
         except QuorumError as exc:
-            self._await_evaluation()  # the rounds before the failed one are kept in the checkpoint
+            self.wait_for_evaluation(timeout_s=None)  # the rounds before the failed one are kept in the checkpoint
             self.finish(Finished(str(exc), False, EXIT_BELOW_QUORUM))
             raise
         except Exception as exc:  # a bug or an unexpected failure: the clients must hear of it, not wait for a task
@@ -220,14 +220,14 @@ class RoundDriver:
         else:
             self._evaluating = self._evaluator.submit(self._conclude, closed)
 
-    def wait_for_evaluation(self, timeout_s: float) -> None:
-        """On shutdown: let the round being tested reach its checkpoint (bounded); its errors are only logged."""
+    def wait_for_evaluation(self, timeout_s: float | None) -> None:
+        """When the run is ending anyway: let the round under test reach its checkpoint; its errors are only logged."""
         evaluating = self._evaluating
         if evaluating is not None:
             try:
                 evaluating.result(timeout=timeout_s)
-            except Exception as exc:  # noqa: BLE001 - shutting down anyway; the error is reported, not raised
-                log.warning("evaluation of the last aggregated round did not finish: %s", exc)
+            except Exception:  # the run ends with its own error; this one must not hide it
+                log.exception("the evaluation of the last aggregated round did not finish")
 
     @property
     def checkpointed(self) -> int:
@@ -236,9 +236,9 @@ class RoundDriver:
             return len(self.state.history)
 
     def _await_evaluation(self) -> None:
+        """Wait for the last submitted round's evaluation; its error is raised here, in the round loop."""
         if self._evaluating is not None:
-            evaluating, self._evaluating = self._evaluating, None
-            evaluating.result()
+            self._evaluating.result()
 
     def _conclude(self, closed: ClosedRound) -> None:
         """Test the round's model, then record, checkpoint and publish the round (rounds conclude in order)."""
@@ -259,14 +259,15 @@ class RoundDriver:
             "train_loss": _finite_mean([a["train_loss"] for a in rnd.answered.values()]),
             **closed.sdafl_summary,
         }
+        # Only this thread appends to the history, so it may read it unlocked; the round enters the history (and
+        # watchers hear of it) only once its checkpoint is on disk, both under the lock so no watcher sees it twice.
+        history = [*self.state.history, summary]
+        checkpoint.save(self.out_dir, dataclasses.replace(closed.saved, record={**closed.saved.record, "history": history}))
         with self.lock:
             self.state.history.append(summary)
-            history = list(self.state.history)
-        saved = dataclasses.replace(closed.saved, record={**closed.saved.record, "history": history})
-        checkpoint.save(self.out_dir, saved)
+            self.progress.publish(summary)
         self.metrics.observe_round(summary)
         log.info("round %d: accuracy %.4f loss %.4f (%d/%d answered)", rnd.number, acc, loss, len(rnd.answered), len(rnd.sampled))
-        self.progress.publish(summary)
 
     def _wait_for_answers(self, rnd: RoundInProgress) -> None:
         grace = self.cfg.runtime.rejoin_grace_s
@@ -282,7 +283,7 @@ class RoundDriver:
                         f"round {rnd.number}: {len(rnd.answered)} of {len(rnd.sampled)} sampled clients answered "
                         f"within {rnd.deadline_s:.0f}s; quorum is {rnd.need}"
                     )
-                if any(self.registry.is_connected(c) for c in rnd.pending):
+                if any(self.registry.is_reachable(c, self.cfg.runtime.heartbeat_timeout_s) for c in rnd.pending):
                     unreachable_since = None
                 else:
                     unreachable_since = unreachable_since or now

@@ -210,9 +210,9 @@ class RuntimeConfig(Section):
         self.within("quorum", 0, 1, low_open=True)
         self.at_least(0, "rejoin_grace_s")
         self.at_least(1, "clients_per_process", "torch_threads")
-        if self.heartbeat_timeout_s <= self.heartbeat_s:
-            raise ConfigError(f"runtime.heartbeat_timeout_s={self.heartbeat_timeout_s!r} must exceed "
-                              f"runtime.heartbeat_s={self.heartbeat_s!r} (a client sends one heartbeat every heartbeat_s)")
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_s:
+            raise ConfigError(f"runtime.heartbeat_timeout_s={self.heartbeat_timeout_s!r} must be at least twice "
+                              f"runtime.heartbeat_s={self.heartbeat_s!r} (one late heartbeat must not drop a client)")
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "runtime.clients_per_process": ("int", [0]),
     "runtime.torch_threads": ("int", [0]),
     "runtime.heartbeat_s": ("float", [0]),
-    "runtime.heartbeat_timeout_s": ("float", [0, -1, 2.0]),  # 2.0: not above the default heartbeat_s
+    "runtime.heartbeat_timeout_s": ("float", [0, -1, 2.0, 3.9]),  # below twice the default heartbeat_s
     "runtime.overlap_evaluation": ("bool", []),
     "runtime.tls_dir": ("str?", [""]),
     "sdafl.samples_per_client": ("int", [0]),

@@ -74,6 +74,19 @@ def test_info_describes_the_served_model(served: tuple[GeneratorServer, grpc.Cha
     assert (info.device, info.dtype, info.ddim_steps, info.max_batch) == ("cpu", "float32", 3, 16)
 
 
+def test_the_served_model_id_names_the_sampling_settings(model_dir: Path) -> None:
+    """Other DDIM steps or guidance draw other images: a client's cache keyed by the id must not be reused."""
+    ids = set()
+    for steps, guidance in ((3, 1.0), (4, 1.0), (3, 2.0), (3, 1.0)):
+        server = _server(model_dir, ddim_steps=steps, guidance=guidance)
+        try:
+            server.start()
+            ids.add(server.load().backend.description.model_id)
+        finally:
+            server.stop(0)
+    assert len(ids) == 3 and all(i.startswith("ddpm-tiny-digits-") for i in ids)
+
+
 def test_exact_counts_in_class_order(served: tuple[GeneratorServer, grpc.Channel]) -> None:
     labels, images = _generate(served[1], [3, 0, 5, 0, 0, 0, 0, 0, 0, 2], seed=1)
     assert labels.tolist() == [0] * 3 + [2] * 5 + [9] * 2

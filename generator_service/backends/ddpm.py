@@ -43,8 +43,11 @@ def load_ddpm(model_dir: Path, *, device: str = "auto", batch_size: int, ddim_st
     target = resolve_device(device)
     sampler = DdimSampler(loaded.unet, loaded.scheduler_config, num_classes=meta.num_classes,
                           image_shape=meta.image_shape, config=sampling, device=target)
+    # The served images are a function of the weights AND the sampling settings: the id names all three, so a client
+    # cache (keyed by it) is never reused across other steps or guidance, and replicas must agree on both.
+    served_id = f"{meta.model_id}-s{sampling.steps}-w{sampling.guidance:g}"
     description = BackendDescription(
-        backend="ddpm", model_id=meta.model_id, dataset=meta.dataset, num_classes=meta.num_classes,
+        backend="ddpm", model_id=served_id, dataset=meta.dataset, num_classes=meta.num_classes,
         image_shape=meta.image_shape, device=target.type, dtype=str(sampler.dtype).removeprefix("torch."),
         size=meta.size, parameters=meta.parameters, ddim_steps=sampling.steps, guidance=sampling.guidance,
     )

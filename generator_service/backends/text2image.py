@@ -177,7 +177,9 @@ def load_text2image(model_dir: Path, *, dataset: str, data_dir: Path | None = No
     from diffusers import AutoPipelineForText2Image
 
     try:
-        pipeline = AutoPipelineForText2Image.from_pretrained(model_dir, local_files_only=True, torch_dtype=dtype)
+        # use_safetensors: never unpickle a folder's .bin weights (fedsynth loads no pickle, even the operator's)
+        pipeline = AutoPipelineForText2Image.from_pretrained(model_dir, local_files_only=True, torch_dtype=dtype,
+                                                             use_safetensors=True)
     except (OSError, ValueError) as exc:  # e.g. a component's weights missing from the folder
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"text2image model folder {str(model_dir)!r} could not be loaded: {first}") from exc

@@ -29,7 +29,7 @@ from deploy.processes import fedsynth_command
 from deploy.provision import provision
 from fedsynth import cli
 from fedsynth.config import load_config
-from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR
+from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_INTERNAL
 from generator_service.serve_cmd import SERVICE_NAME as GENERATOR_SERVICE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,9 +140,10 @@ def test_unit_has_required_keys_and_real_flags(unit: Path) -> None:
         assert args.clients == "3", f"{unit.name}: the instance name must be the client id (--clients %i)"
     else:
         assert args.host == "0.0.0.0" and args.port in (50051, 50052), f"{unit.name}: --host/--port"
-    # Exit 1 (bad config or TLS files) and 3 (below quorum) are final: a restart would only repeat them.
+    # Exit 1 (bad config or TLS files), 3 (below quorum) and 4 (internal error) are final: a restart would only
+    # repeat them.
     final = {int(code) for line in service.get("RestartPreventExitStatus", []) for code in line.split()}
-    assert final == ({EXIT_ERROR} if role == "generator serve" else {EXIT_ERROR, EXIT_BELOW_QUORUM}), unit.name
+    assert final == ({EXIT_ERROR} if role == "generator serve" else {EXIT_ERROR, EXIT_BELOW_QUORUM, EXIT_INTERNAL}), unit.name
     if role == "coordinator":  # stopped by SIGTERM, checkpoint kept: not a failure
         assert service.get("SuccessExitStatus") == [str(EXIT_SIGTERM)], unit.name
 

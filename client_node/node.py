@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from client_node.fedmix_client import mean_data, pool_from_group, upload_mean_data
+from client_node.heartbeats import send_heartbeats
 from client_node.metrics import ClientMetrics
 from client_node.sdafl_client import ensure_samples, upload
 from client_node.synthesis import SyntheticSet, fedeas_total, synthesize
@@ -149,8 +150,8 @@ class LogicalClient:
         stream = stub.Subscribe(pb.SubscribeRequest(client_id=self.client_id, session=reply.session), timeout=SUBSCRIBE_TIMEOUT_S)
         self._stream = stream
         beating = threading.Event()
-        heartbeats = threading.Thread(target=self._heartbeats, args=(stub, reply.session, cfg.runtime.heartbeat_s, beating),
-                                      name=f"heartbeat-{self.client_id}", daemon=True)
+        heartbeats = threading.Thread(target=send_heartbeats, name=f"heartbeat-{self.client_id}", daemon=True,
+                                      args=(stub, self.client_id, reply.session, cfg.runtime.heartbeat_s, beating))
         heartbeats.start()
         try:
             for message in stream:
@@ -173,21 +174,6 @@ class LogicalClient:
             heartbeats.join(timeout=cfg.runtime.heartbeat_s)
             self._stream = None
             stream.cancel()
-
-    def _heartbeats(self, stub: pb_grpc.CoordinatorStub, session: str, every_s: float, done: threading.Event) -> None:
-        """Tell the coordinator this client is alive while its dispatch stream is open, training or not: at a fixed
-        rate, each call with half a period to answer, so one slow call never stretches the gap past two periods."""
-        request = pb.ClientHeartbeat(client_id=self.client_id, session=session)
-        next_at = time.monotonic()
-        while not done.is_set():
-            try:
-                stub.Heartbeat(request, timeout=every_s / 2)
-            except grpc.RpcError as exc:  # the stream and the other RPCs handle a lost link; this only reports it
-                log.debug("client %d: heartbeat failed: %s", self.client_id, exc.code() if isinstance(exc, grpc.Call) else exc)
-            except ValueError:  # the channel was closed under us: the session is over
-                return
-            next_at += every_s
-            done.wait(max(0.0, next_at - time.monotonic()))
 
     def _prepare(self, cfg: RunConfig) -> ClientState:
         shard = client_shard(cfg, self.client_id)

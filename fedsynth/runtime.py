@@ -49,6 +49,11 @@ def write_atomic(path: Path, content: str | bytes | Callable[[Path], object]) ->
             finally:
                 os.close(fd)
         os.replace(tmp, path)
+        folder = os.open(path.parent, os.O_RDONLY)  # the rename itself survives a power loss only once its folder is synced
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -6,6 +6,7 @@ import logging
 import queue
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 
@@ -23,6 +24,18 @@ SERVICE_NAME = "fedsynth.v1.Coordinator"
 def _abort_for(context: grpc.ServicerContext, exc: Exception) -> None:
     code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, WireError) else grpc.StatusCode.FAILED_PRECONDITION
     context.abort(code, str(exc))
+
+
+def _first_header(request_iterator: Iterator[Any], refusal: str) -> Any:
+    """The header that must open an upload stream (its chunks follow); WireError(refusal) otherwise."""
+    first = next(request_iterator, None)
+    if first is None or first.WhichOneof("kind") != "header":
+        raise WireError(refusal)
+    return first.header
+
+
+def _payload_fields(header: Any) -> dict[str, Any]:
+    return {"total_bytes": header.payload.total_bytes, "sha256": header.payload.sha256, "num_chunks": header.payload.num_chunks}
 
 
 def _task_messages(item: TaskDelivery) -> Iterator[pb.ServerMessage]:
@@ -95,18 +108,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def SubmitUpdate(self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext) -> pb.SubmitReply:
         try:
-            first = next(request_iterator, None)
-            if first is None or first.WhichOneof("kind") != "header":
-                raise WireError("an update stream must start with an UpdateHeader")
-            h = first.header
+            h = _first_header(request_iterator, "an update stream must start with an UpdateHeader")
             header = {
                 "client_id": h.client_id,
                 "session": h.session,
                 "round": h.round,
                 "task_id": h.task_id,
-                "total_bytes": h.payload.total_bytes,
-                "sha256": h.payload.sha256,
-                "num_chunks": h.payload.num_chunks,
+                **_payload_fields(h),
                 "train_seconds": h.train_seconds,
                 "train_loss": h.train_loss,
                 "generation": (
@@ -145,10 +153,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def UploadSynthetic(self, request_iterator: Iterator[pb.SyntheticChunk], context: grpc.ServicerContext) -> pb.UploadReply:
         try:
-            first = next(request_iterator, None)
-            if first is None or first.WhichOneof("kind") != "header":
-                raise WireError("a synthetic upload must start with a SyntheticHeader")
-            h = first.header
+            h = _first_header(request_iterator, "a synthetic upload must start with a SyntheticHeader")
             header = {
                 "client_id": h.client_id,
                 "session": h.session,
@@ -157,9 +162,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 "width": h.width,
                 "channels": h.channels,
                 "dtype": h.dtype,
-                "total_bytes": h.payload.total_bytes,
-                "sha256": h.payload.sha256,
-                "num_chunks": h.payload.num_chunks,
+                **_payload_fields(h),
                 "epsilon": h.epsilon,
                 "delta": h.delta,
                 "noise_multiplier": h.noise_multiplier,
@@ -173,10 +176,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def UploadMeanData(self, request_iterator: Iterator[pb.MeanDataChunk], context: grpc.ServicerContext) -> pb.UploadReply:
         try:
-            first = next(request_iterator, None)
-            if first is None or first.WhichOneof("kind") != "header":
-                raise WireError("a mean-data upload must start with a MeanDataHeader")
-            h = first.header
+            h = _first_header(request_iterator, "a mean-data upload must start with a MeanDataHeader")
             header = {
                 "client_id": h.client_id,
                 "session": h.session,
@@ -186,9 +186,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 "channels": h.channels,
                 "num_classes": h.num_classes,
                 "mean_batch": h.mean_batch,
-                "total_bytes": h.payload.total_bytes,
-                "sha256": h.payload.sha256,
-                "num_chunks": h.payload.num_chunks,
+                **_payload_fields(h),
             }
             stored = self.federation.accept_mean_data(header, self._chunks(request_iterator))
         except (WireError, StateError) as exc:

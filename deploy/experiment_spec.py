@@ -19,7 +19,7 @@ ROLES = ("fedavg", "uniform", "missing", "full", "fedeas", "sdafl")
 # What must agree across arms so they share one partition and one generator (seed and data are checked too).
 GENERATOR_KEYS = ("backend", "model_dir", "generator", "size", "train_steps")
 EXPERIMENT_KEYS = {"name", "out_dir", "last_n", "threshold", "arm_timeout_s", "confidence"}
-ARM_KEYS = {"name", "role", "set", "timeout_s", "seeds"}
+ARM_KEYS = {"name", "role", "set", "timeout_s", "seeds", "compare"}
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -51,6 +51,7 @@ class Arm:
     timeout_s: float
     beta: float | None = None  # set for the points of a [sweep]
     seeds: tuple[int, ...] | None = None  # run only on these of the experiment's seeds (None: on every seed)
+    compare: tuple[str, ...] = ()  # arms this one is paired with, seed by seed, in the summary (this − that)
 
     def runs_on(self, seed: int) -> bool:
         return self.seeds is None or seed in self.seeds
@@ -116,7 +117,10 @@ def _arm(raw: Any, settings: Settings) -> Arm:
         or len(set(seeds)) != len(seeds)
     ):
         raise ConfigError(f"arm {name!r}: seeds must be a non-empty list of distinct integers, got {seeds!r}")
-    return Arm(name, role, tuple(overrides), float(timeout), seeds=None if seeds is None else tuple(seeds))
+    compare = raw.get("compare", [])
+    if not isinstance(compare, list) or not all(isinstance(other, str) for other in compare) or name in compare:
+        raise ConfigError(f"arm {name!r}: compare must be a list of other arms' names, got {compare!r}")
+    return Arm(name, role, tuple(overrides), float(timeout), seeds=None if seeds is None else tuple(seeds), compare=tuple(compare))
 
 
 def _sweep_arms(raw: Any, settings: Settings) -> list[Arm]:
@@ -195,6 +199,10 @@ def load_experiment(path: str | Path, overrides: list[str] | None = None) -> Exp
     names = [a.name for a in arms]
     if len(set(names)) != len(names):
         raise ConfigError(f"{path}: arm names must be unique, got {names}")
+    for arm in arms:
+        missing = [other for other in arm.compare if other not in names]
+        if missing:
+            raise ConfigError(f"arm {arm.name!r}: compare names no arm of this experiment: {', '.join(missing)}; arms: {', '.join(names)}")
     roles = [a.role for a in arms if a.role]
     if len(set(roles)) != len(roles):
         raise ConfigError(f"{path}: each role may be given to one arm only, got {roles}")

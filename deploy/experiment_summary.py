@@ -84,6 +84,10 @@ def build_summary(experiment: Experiment, seeds: list[int], out_dir: Path, outco
         if x in by_role and y in by_role:
             a, b = by_role[x]["name"], by_role[y]["name"]
             paired.append({"a": a, "b": b, **paired_difference(per_seed[a], per_seed[b], s.confidence).to_dict()})
+    for arm in experiment.arms:
+        for other in arm.compare:
+            if not any(p["a"] == arm.name and p["b"] == other for p in paired):
+                paired.append({"a": arm.name, "b": other, **paired_difference(per_seed[arm.name], per_seed[other], s.confidence).to_dict()})
     return {
         "experiment": s.name, "seeds": seeds, "last_n": s.last_n, "threshold": s.threshold, "confidence": s.confidence,
         "arms": arms, "paired": paired, "runs": runs,

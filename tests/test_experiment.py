@@ -103,6 +103,9 @@ def test_every_arm_must_share_the_partition(tmp_path: Path) -> None:
         ("[sweep]\nbetas = [0]\n", "sweep.betas must be a non-empty list of numbers > 0"),
         ('[[arms]]\nname = "a"\nseeds = [0, 0]\n', "arm 'a': seeds must be a non-empty list of distinct integers, got [0, 0]"),
         ('[[arms]]\nname = "a"\nseeds = "0"\n', "arm 'a': seeds must be a non-empty list of distinct integers, got '0'"),
+        ('[[arms]]\nname = "a"\ncompare = "b"\n', "arm 'a': compare must be a list of other arms' names, got 'b'"),
+        ('[[arms]]\nname = "a"\ncompare = ["a"]\n', "arm 'a': compare must be a list of other arms' names, got ['a']"),
+        ('[[arms]]\nname = "a"\ncompare = ["fedavg"]\n', "arm 'a': compare names no arm of this experiment: fedavg; arms: a"),
         ("", "nothing to run"),
     ],
 )
@@ -276,6 +279,12 @@ def test_two_arms_two_seeds_summarise_and_resume_without_rerunning(tmp_path: Pat
     as_fedeas = (experiment.arms[0], dataclasses.replace(experiment.arms[1], role="fedeas"))
     outcomes = {(arm.name, seed): {"status": "ok", "error": None} for arm in as_fedeas for seed in (0, 1)}
     [paired] = build_summary(dataclasses.replace(experiment, arms=as_fedeas), [0, 1], exp, outcomes)["paired"]
+    assert (paired["a"], paired["b"], paired["seeds"]) == ("fedprox", "fedavg", [0, 1])
+    assert paired["differences"] == pytest.approx([accuracy[("fedprox", s)] - accuracy[("fedavg", s)] for s in (0, 1)])
+
+    # `compare` pairs any two arms, seed by seed (X + FedEAS against X, each baseline against FedAvg).
+    compared = (experiment.arms[0], dataclasses.replace(experiment.arms[1], compare=("fedavg",)))
+    [paired] = build_summary(dataclasses.replace(experiment, arms=compared), [0, 1], exp, outcomes)["paired"]
     assert (paired["a"], paired["b"], paired["seeds"]) == ("fedprox", "fedavg", [0, 1])
     assert paired["differences"] == pytest.approx([accuracy[("fedprox", s)] - accuracy[("fedavg", s)] for s in (0, 1)])
 

@@ -36,6 +36,9 @@ def run_metrics(run_dir: Path, last_n: int, threshold: float) -> dict[str, Any]:
         "rounds_to_threshold": reached[0] if reached else None,
         # synthetic images the method used: generated (FedEAS and baselines) or uploaded DP-GAN samples (SDA-FL)
         "budget": int(report["generation"]["total_images"]) + int(sum(p.get("samples", 0) for p in privacy.values())),
+        # SDA-FL: each client's DP-GAN has its own (epsilon, delta); the run's guarantee is the weakest client's
+        "epsilon": max((float(p["epsilon"]) for p in privacy.values() if "epsilon" in p), default=None),
+        "delta": max((float(p["delta"]) for p in privacy.values() if "delta" in p), default=None),
         "device_seconds": float(report["generation"]["device_seconds"]),
         "wall_clock_s": float(report["wall_clock_s"]),
         "phases_s": {phase: float(seconds) for phase, seconds in report["phases_s"].items()},
@@ -68,6 +71,8 @@ def build_summary(experiment: Experiment, seeds: list[int], out_dir: Path, outco
             "wall_clock_s": _mean([r["wall_clock_s"] for r in ok]),
             "phases_s": {phase: _mean([r["phases_s"][phase] for r in ok]) for phase in PHASES} if ok else {},
             "rounds_to_threshold": {"reached": len(reached), "of": len(ok), "mean": _mean([float(x) for x in reached])},
+            "epsilon": max((r["epsilon"] for r in ok if r.get("epsilon") is not None), default=None),
+            "delta": max((r["delta"] for r in ok if r.get("delta") is not None), default=None),
         })
     by_role = {a["role"]: a for a in arms if a["role"]}
     per_seed = {a["name"]: {r["seed"]: r["last_n_accuracy"] for r in runs if r["arm"] == a["name"] and r["status"] == "ok"} for a in arms}
@@ -143,6 +148,12 @@ def _markdown(summary: dict[str, Any], plots: list[Path]) -> str:
             interval = "n/a" if p["ci_low"] is None else f"[{100 * p['ci_low']:+.2f}, {100 * p['ci_high']:+.2f}]"
             mean = "n/a" if p["mean"] is None else f"{100 * p['mean']:+.2f}"
             lines.append(f"| {p['a']} − {p['b']} | {per_seed or 'no common seed'} | {mean} | {interval} |")
+    private = [a for a in summary["arms"] if a.get("epsilon") is not None]
+    if private:
+        lines += ["", "## Privacy (SDA-FL's DP-GANs)", "",
+                  "The largest epsilon and delta of any client in any of the arm's runs: the weakest guarantee a client got.", "",
+                  "| arm | epsilon | delta |", "|---|---|---|"]
+        lines += [f"| {a['name']} | {a['epsilon']:.2f} | {a['delta']:.1e} |" for a in private]
     if any(a.get("phases_s") for a in summary["arms"]):
         lines += ["", "## Wall-clock by phase (s, mean over the arm's runs)", "",
                   "| arm | " + " | ".join(PHASES) + " | wall-clock |", "|---|" + "---|" * (len(PHASES) + 1)]

@@ -13,7 +13,7 @@ import pytest
 
 from deploy.experiment import parse_seeds, previous_run
 from deploy.experiment_spec import load_experiment, write_run_toml
-from deploy.experiment_summary import build_summary
+from deploy.experiment_summary import build_summary, run_metrics
 from deploy.stats import paired_difference, summarize, t_critical
 from fedsynth.config import from_dict, load_config
 from fedsynth.errors import ConfigError
@@ -295,3 +295,16 @@ def test_two_arms_two_seeds_summarise_and_resume_without_rerunning(tmp_path: Pat
     fedprox = summary["arms"][1]
     assert (fedprox["runs"], fedprox["accuracy"]["n"]) == (1, 1)
     assert fedprox["delta_accuracy_pp"] == pytest.approx(100 * (accuracy[("fedprox", 1)] - accuracy[("fedavg", 1)]))
+
+
+def test_an_sdafl_run_reports_its_weakest_clients_epsilon(tmp_path: Path) -> None:
+    rounds = [{"round": r, "accuracy": 0.1 * r} for r in (1, 2)]
+    report = {"rounds": rounds, "generation": {"total_images": 0, "device_seconds": 0.0}, "wall_clock_s": 5.0,
+              "phases_s": {"training": 1.0}}
+    privacy = {"0": {"epsilon": 3.5, "delta": 1e-4, "samples": 200}, "1": {"epsilon": 9.75, "delta": 2e-4, "samples": 200}}
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    (tmp_path / "coordinator.json").write_text(json.dumps({"sdafl": privacy}))
+    metrics = run_metrics(tmp_path, last_n=1, threshold=0.15)
+    assert (metrics["epsilon"], metrics["delta"], metrics["budget"], metrics["rounds_to_threshold"]) == (9.75, 2e-4, 400, 2)
+    (tmp_path / "coordinator.json").write_text(json.dumps({"sdafl": None}))
+    assert run_metrics(tmp_path, last_n=1, threshold=0.15)["epsilon"] is None

@@ -11,4 +11,11 @@ METADATA_FILE = "fedsynth_generator.json"  # written last by `fedsynth generator
 IMAGES_TOTAL = "fedsynth_generator_images_total"  # counter, by class_id
 DEVICE_SECONDS_TOTAL = "fedsynth_generator_device_seconds_total"  # counter: time spent sampling
 REQUESTS_TOTAL = "fedsynth_generator_requests_total"  # counter, by method and code
+# The quality filter (--min-confidence): candidates drawn, accepted and rejected by the judge, by class_id; what it cost.
+FILTER_MIN_CONFIDENCE = "fedsynth_generator_filter_min_confidence"  # gauge: 0 = no filter
+FILTER_CANDIDATES_TOTAL = "fedsynth_generator_filter_candidates_total"
+FILTER_ACCEPTED_TOTAL = "fedsynth_generator_filter_accepted_total"
+FILTER_REJECTED_TOTAL = "fedsynth_generator_filter_rejected_total"
+FILTER_REJECTED_DEVICE_SECONDS_TOTAL = "fedsynth_generator_filter_rejected_device_seconds_total"
+FILTER_JUDGE_SECONDS_TOTAL = "fedsynth_generator_filter_judge_seconds_total"
 INFO = "fedsynth_generator_info"  # labels: backend, size, model_id, device, dtype

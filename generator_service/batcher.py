@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
+from generator_service.backends import PartlyUnservable, Unservable
 from generator_service.ddpm.sampling import ImageKey
 from generator_service.metrics import GeneratorMetrics
 
@@ -165,8 +166,11 @@ class Batcher:
                 continue
             keys = [key for job, start, stop in slices for key in job.keys[start:stop]]
             started = time.perf_counter()
+            unservable: PartlyUnservable | None = None
             try:
                 images = self._sample(keys)
+            except PartlyUnservable as exc:  # e.g. the quality filter's budget ran out for one class
+                images, unservable = exc.images, exc
             except Exception as exc:  # a sampling failure fails the requests in this batch, not the server
                 log.exception("sampling a batch of %d images failed", len(keys))
                 for job, _, _ in slices:
@@ -177,7 +181,9 @@ class Batcher:
                 self._metrics.batch_size.observe(len(keys))
             offset = 0
             for job, start, stop in slices:
-                if not job.cancelled:
+                if unservable is not None and any(offset <= row < offset + stop - start for row in unservable.failed_rows):
+                    self._drop(job, Unservable(str(unservable)))  # only the requests that asked for a failed image
+                elif not job.cancelled:
                     job._results.put(images[offset : offset + stop - start])
                     if stop == len(job.keys):
                         job._results.put(_DONE)

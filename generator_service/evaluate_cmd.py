@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     backend.add_argument("--class-names-file", type=Path, default=None, help="text2image: one class name per line")
     backend.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default %(default)s")
     backend.add_argument("--max-batch", type=int, default=64, help="images per sampling batch (default %(default)s)")
+    backend.add_argument("--min-confidence", type=float, default=0.0,
+                         help="serve through the quality filter at this threshold (its judge is the one below, seed 0); "
+                              "0 = off (default %(default)s)")
     parser.add_argument("--dataset", choices=DATASETS, default=None,
                         help="the real data the judge learns from (default: the generator's dataset; needed with --images)")
     parser.add_argument("--data-dir", type=Path, default=None, help="folder with train.npz/test.npz (cifar, npz)")
@@ -79,6 +82,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--seed must be >= 0, got {args.seed}")
     if args.grid_per_class < 1:
         raise ConfigError(f"--grid-per-class must be >= 1, got {args.grid_per_class}")
+    if args.min_confidence and args.backend is None:
+        raise ConfigError("--min-confidence filters a backend started here: it needs --backend")
     if args.judge_epochs is not None and args.judge_epochs < 1:
         raise ConfigError(f"--judge-epochs must be >= 1, got {args.judge_epochs}")
 
@@ -94,6 +99,8 @@ def _serve_config(args: argparse.Namespace) -> Any:
               if name in mine or (name not in JUDGE_FLAGS and getattr(args, name) is not None)}
     per_class = args.per_class or DEFAULT_PER_CLASS
     limit = max(ServeConfig.max_request_images, per_class * 1000)
+    if args.min_confidence > 0:  # the filter's judge reads the data folder and the judge cache too
+        chosen.update(min_confidence=args.min_confidence, judge_cache=args.judge_cache, data_dir=args.data_dir)
     return ServeConfig(backend=args.backend, device=args.device, max_batch=args.max_batch, threads=args.threads,
                        port=0, metrics_port=-1, max_request_images=limit, queue_limit=limit, **chosen)
 

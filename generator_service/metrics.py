@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from fedsynth.generator_names import DEVICE_SECONDS_TOTAL, IMAGES_TOTAL, INFO, REQUESTS_TOTAL
+from fedsynth.generator_names import (
+    DEVICE_SECONDS_TOTAL,
+    FILTER_ACCEPTED_TOTAL,
+    FILTER_CANDIDATES_TOTAL,
+    FILTER_JUDGE_SECONDS_TOTAL,
+    FILTER_MIN_CONFIDENCE,
+    FILTER_REJECTED_DEVICE_SECONDS_TOTAL,
+    FILTER_REJECTED_TOTAL,
+    IMAGES_TOTAL,
+    INFO,
+    REQUESTS_TOTAL,
+)
 from fedsynth.metrics import DURATION_BUCKETS, SIZE_BUCKETS, MetricsHTTPServer, serve_metrics
 from fedsynth.tls import RevocationList, TLSFiles
 
@@ -30,8 +41,19 @@ class GeneratorMetrics:
         self.queue_wait = Histogram("fedsynth_generator_queue_wait_seconds",
                                     "Time from a request's arrival until its first image starts sampling",
                                     buckets=DURATION_BUCKETS, registry=r)
-        self.device_seconds = Counter(DEVICE_SECONDS_TOTAL, "Time spent sampling on the device",
-                                      registry=r)
+        self.device_seconds = Counter(DEVICE_SECONDS_TOTAL, "Time spent sampling on the device (with the quality "
+                                      "filter: every candidate, rejected ones too, and the judge)", registry=r)
+        self.filter_min_confidence = Gauge(FILTER_MIN_CONFIDENCE, "The quality filter's threshold; 0 = off", registry=r)
+        self.filter_candidates = Counter(FILTER_CANDIDATES_TOTAL, "Candidates the quality filter drew, by class",
+                                         ["class_id"], registry=r)
+        self.filter_accepted = Counter(FILTER_ACCEPTED_TOTAL, "Candidates the judge accepted, by class",
+                                       ["class_id"], registry=r)
+        self.filter_rejected = Counter(FILTER_REJECTED_TOTAL, "Candidates the judge rejected, by class",
+                                       ["class_id"], registry=r)
+        self.filter_rejected_device_seconds = Counter(FILTER_REJECTED_DEVICE_SECONDS_TOTAL,
+                                                      "Sampling time spent on rejected candidates", registry=r)
+        self.filter_judge_seconds = Counter(FILTER_JUDGE_SECONDS_TOTAL, "Time the judge spent scoring candidates",
+                                            registry=r)
         self.queued_images = Gauge("fedsynth_generator_queued_images", "Images waiting to be sampled", registry=r)
         self.model_load_seconds = Gauge("fedsynth_generator_model_load_seconds", "Time it took to load the model",
                                         registry=r)

@@ -23,6 +23,7 @@ from fedsynth.v1 import generator_pb2_grpc
 from generator_service.backends import BACKENDS, build_backend, get_backend
 from generator_service.batcher import Batcher
 from generator_service.metrics import GeneratorMetrics, serve_registry
+from generator_service.quality_filter import load_quality_filter
 from generator_service.servicer import GeneratorServicer, ServedModel
 
 log = logging.getLogger(__name__)
@@ -68,13 +69,15 @@ class ServeConfig:
     guidance: float | None = None
     threads: int = 0  # torch CPU threads; 0 keeps torch's default
     grace_s: float = 5.0
+    min_confidence: float = 0.0  # the quality filter: serve only images the judge gives >= this for their class; 0 = off
+    judge_cache: Path | None = None  # None: $FEDSYNTH_CACHE/judges (as `fedsynth generator evaluate`)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         for other, flags in BACKEND_FLAGS.items():
             for name in flags:
-                if name not in BACKEND_FLAGS[self.backend] and getattr(self, name) is not None:
+                if name not in self._flags() and getattr(self, name) is not None:
                     raise ConfigError(f"{_flag(name)} is a flag of --backend {other}, not of --backend {self.backend}")
         for name in REQUIRED_FLAGS.get(self.backend, ()):
             if getattr(self, name) is None:
@@ -100,6 +103,14 @@ class ServeConfig:
             raise ConfigError(f"--max-wait-ms must be >= 0, got {self.max_wait_ms}")
         if self.queue_limit < self.max_request_images:
             raise ConfigError(f"--queue-limit {self.queue_limit} is below --max-request-images {self.max_request_images}")
+        if not 0.0 <= self.min_confidence < 1.0:
+            raise ConfigError(f"--min-confidence must be in [0, 1) (0 = no quality filter), got {self.min_confidence}")
+        if self.judge_cache is not None and self.min_confidence == 0:
+            raise ConfigError("--judge-cache is read only with --min-confidence > 0")
+
+    def _flags(self) -> tuple[str, ...]:
+        """This backend's flags; with the quality filter also --data-dir, where the judge's training data lies."""
+        return BACKEND_FLAGS[self.backend] + (("data_dir",) if self.min_confidence > 0 else ())
 
 
 class GeneratorServer:
@@ -136,6 +147,11 @@ class GeneratorServer:
     def load(self) -> ServedModel:
         started = time.perf_counter()
         backend = build_backend(self.config)
+        if self.config.min_confidence > 0:
+            backend = load_quality_filter(backend, min_confidence=self.config.min_confidence,
+                                          max_batch=self.config.max_batch, data_dir=self.config.data_dir,
+                                          judge_cache=self.config.judge_cache, metrics=self.metrics)
+        self.metrics.filter_min_confidence.set(self.config.min_confidence)
         served = backend.description
         self.batcher = Batcher(backend.sample, max_batch=self.config.max_batch,
                                max_wait_s=self.config.max_wait_ms / 1000.0, queue_limit=self.config.queue_limit,
@@ -144,7 +160,8 @@ class GeneratorServer:
         self.servicer.attach(model)
         self.metrics.model_load_seconds.set(time.perf_counter() - started)
         self.metrics.info.info({"backend": served.backend, "size": served.size, "model_id": served.model_id,
-                                "device": served.device, "dtype": served.dtype})
+                                "device": served.device, "dtype": served.dtype,
+                                "min_confidence": f"{self.config.min_confidence:g}"})
         grpcutil.set_serving(self.health, SERVICE_NAME)
         log.info("serving %s (backend %s, %d classes of %s images) on %s, %s", served.model_id, served.backend,
                  served.num_classes, "x".join(map(str, served.image_shape)), served.device, served.dtype)
@@ -179,7 +196,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "a diffusers pipeline's save_pretrained (never downloaded)")
     parser.add_argument("--dataset", choices=DATASETS, default=None,
                         help="holdout, text2image: the run's data.dataset (text2image: class names and resolution)")
-    parser.add_argument("--data-dir", type=Path, default=None, help="holdout, text2image (npz): the run's data.data_dir")
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="holdout, text2image (npz), and any backend with --min-confidence (the judge's training "
+                             "data): the run's data.data_dir")
     parser.add_argument("--holdout-fraction", type=float, default=None, help="holdout: the run's data.holdout_fraction, in (0, 1)")
     parser.add_argument("--seed", type=int, default=None, help="holdout: the run's seed (it seeds the hold-out split)")
     parser.add_argument("--prompt-template", default=None,
@@ -211,6 +230,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "diffusers' guidance_scale = 1 + w (default 0: off, as SD-turbo wants)")
     parser.add_argument("--threads", type=int, default=d.threads,
                         help="torch CPU threads, 0 = torch's default; 1 is fastest on a crowded CPU (default %(default)s)")
+    parser.add_argument("--min-confidence", type=float, default=d.min_confidence,
+                        help="quality filter: serve only images the judge (`fedsynth generator evaluate`'s classifier, "
+                             "trained on the dataset's real training split and cached) assigns to their class with at "
+                             "least this probability, drawing more until the counts are met; 0 = off (default %(default)s)")
+    parser.add_argument("--judge-cache", type=Path, default=None,
+                        help="with --min-confidence: folder of cached judges (default $FEDSYNTH_CACHE/judges or "
+                             "~/.cache/fedsynth/judges)")
     parser.add_argument("--grace", type=float, default=d.grace_s, help="seconds in-flight RPCs get on SIGTERM (default %(default)s)")
     tls.add_tls_arguments(parser, server=True)
 
@@ -226,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_request_images=args.max_request_images,
         max_concurrent_rpcs=args.max_concurrent_rpcs, queue_limit=args.queue_limit, device=args.device,
         ddim_steps=args.ddim_steps, guidance=args.guidance, threads=args.threads, grace_s=args.grace,
+        min_confidence=args.min_confidence, judge_cache=args.judge_cache,
     )
     server = GeneratorServer(config, registry=REGISTRY, security=security)
     stopped = grpcutil.stop_on_signals(server.server, server.health, grace_s=config.grace_s)

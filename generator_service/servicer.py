@@ -145,6 +145,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         except BatcherClosed as exc:
             code = grpc.StatusCode.UNAVAILABLE
             context.abort(code, str(exc))
+        except Unservable as exc:  # e.g. the quality filter could not fill a class within its budget
+            code = grpc.StatusCode.FAILED_PRECONDITION
+            context.abort(code, str(exc))
         except SamplingFailed as exc:  # logged by the batcher; other requests carry on
             code = grpc.StatusCode.INTERNAL
             context.abort(code, f"sampling failed: {exc}")

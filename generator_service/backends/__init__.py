@@ -26,6 +26,16 @@ class Unservable(Exception):
     """The backend cannot serve a request as asked (e.g. a class it has no image of); answered FAILED_PRECONDITION."""
 
 
+class PartlyUnservable(Unservable):
+    """sample() served some keys and not others: `images` has a row per key, valid except at `failed_rows`. The
+    batcher fails only the requests owning a failed row, with this message, and delivers the rest."""
+
+    def __init__(self, message: str, images: np.ndarray, failed_rows: frozenset[int]) -> None:
+        super().__init__(message)
+        self.images = images
+        self.failed_rows = failed_rows
+
+
 @dataclass(frozen=True)
 class BackendDescription:
     """What Info and the metrics report about the loaded backend (fields that do not apply stay empty / 0)."""

@@ -1,0 +1,183 @@
+"""The quality filter (`--min-confidence`): serves only images the judge assigns to their class with at least that probability.
+
+It wraps whatever backend is loaded, as the batcher's sampling function, so every backend gets it. Image j of class c
+for seed s is the first candidate a = 0, 1, 2, ... that the judge accepts, where candidate a is the backend's own image
+(s, c, j + a * 2^32): a pure function of (model, judge, min_confidence, s, c, j) whatever the batching, the offsets or
+the replica, and an image the judge accepts unfiltered (a = 0) is served unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedsynth.data import DATASETS
+from fedsynth.errors import ConfigError, DataError
+from fedsynth.training import images_to_tensor
+from generator_service.backends import BackendDescription, GeneratorBackend, PartlyUnservable
+from generator_service.ddpm.sampling import ImageKey
+from generator_service.metrics import GeneratorMetrics
+
+log = logging.getLogger(__name__)
+CANDIDATE_STRIDE = 1 << 32  # requested indices stay below 2^32, so no candidate is another image's first draw
+CANDIDATES_PER_IMAGE = 20  # a class gets up to 20 candidates per image in a sampling batch ...
+CANDIDATE_SLACK = 200  # ... plus 200, so that a batch holding a few images of a class is not failed by bad luck
+JUDGE_SEED = 0  # `fedsynth generator evaluate`'s default --seed: the same cached judge
+
+
+class JudgeScorer:
+    """The judge's probability for the requested class. It always scores `rows` rows (zero padding), because CPU
+    kernels give slightly different floats for different batch sizes while a row never depends on its neighbours."""
+
+    def __init__(self, model: nn.Module, rows: int) -> None:
+        self.model = model.eval()
+        self.rows = rows
+
+    @torch.inference_mode()
+    def confidence(self, images: np.ndarray, classes: np.ndarray) -> np.ndarray:
+        scores = []
+        for start in range(0, len(images), self.rows):
+            x = images_to_tensor(images[start : start + self.rows])
+            padded = torch.zeros((self.rows, *x.shape[1:]), dtype=x.dtype)
+            padded[: len(x)] = x
+            probs = F.softmax(self.model.head(self.model.features(padded)), dim=1)  # type: ignore[operator]
+            scores.append(probs[: len(x)].double().numpy())
+        probs = np.concatenate(scores)
+        return probs[np.arange(len(classes)), classes]
+
+
+def weights_digest(model: nn.Module) -> str:
+    """12 hex digits of the judge's weights: the filtered images depend on them, so the served model id names them."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:12]
+
+
+class QualityFilter:
+    """A GeneratorBackend that draws candidates from `inner` until the judge accepts one per requested image."""
+
+    def __init__(self, inner: GeneratorBackend, scorer: JudgeScorer, *, min_confidence: float, max_batch: int,
+                 judge_id: str, metrics: GeneratorMetrics | None = None) -> None:
+        if not 0.0 < min_confidence < 1.0:
+            raise ConfigError(f"--min-confidence must be in (0, 1) to filter, got {min_confidence}")
+        self.inner = inner
+        self.scorer = scorer
+        self.min_confidence = min_confidence
+        self.max_batch = max_batch
+        self._metrics = metrics
+        served = inner.description
+        self._description = dataclasses.replace(served, model_id=f"{served.model_id}-q{min_confidence:g}-j{judge_id}")
+
+    @property
+    def description(self) -> BackendDescription:
+        return self._description
+
+    def check_counts(self, counts: Sequence[int]) -> None:
+        self.inner.check_counts(counts)
+
+    def sample(self, keys: Sequence[ImageKey]) -> np.ndarray:
+        channels, height, width = self._description.image_shape
+        images = np.zeros((len(keys), height, width, channels), dtype=np.uint8)
+        attempt = [0] * len(keys)
+        wanted = Counter(key.class_id for key in keys)
+        budget = {c: CANDIDATES_PER_IMAGE * n + CANDIDATE_SLACK for c, n in wanted.items()}
+        drawn: Counter[int] = Counter()
+        accepted: Counter[int] = Counter()
+        pending, failed = list(range(len(keys))), set()
+        while pending:
+            failed |= {row for row in pending if drawn[keys[row].class_id] >= budget[keys[row].class_id]}
+            pending = [row for row in pending if row not in failed]
+            rows = self._next_rows(keys, pending, {c: budget[c] - drawn[c] for c in budget})
+            if not rows:
+                break
+            candidates = [ImageKey(keys[r].seed, keys[r].class_id, keys[r].index + attempt[r] * CANDIDATE_STRIDE)
+                          for r in rows]
+            classes = np.array([key.class_id for key in candidates], dtype=np.int64)
+            started = time.perf_counter()
+            drawn_images = self.inner.sample(candidates)
+            sampled = time.perf_counter()
+            keep = self.scorer.confidence(drawn_images, classes) >= self.min_confidence
+            self._count(classes, keep, sample_s=sampled - started, judge_s=time.perf_counter() - sampled)
+            for row, image, ok in zip(rows, drawn_images, keep):
+                drawn[keys[row].class_id] += 1
+                if ok:
+                    images[row] = image
+                    accepted[keys[row].class_id] += 1
+                else:
+                    attempt[row] += 1
+            done = {row for row, ok in zip(rows, keep) if ok}
+            pending = [row for row in pending if row not in done]
+        if failed:
+            raise PartlyUnservable(self._shortfall(keys, failed, wanted, drawn, accepted), images, frozenset(failed))
+        return images
+
+    def _next_rows(self, keys: Sequence[ImageKey], pending: list[int], left: dict[int, int]) -> list[int]:
+        """Up to max_batch pending rows, in order, none past its class's budget."""
+        rows = []
+        for row in pending:
+            if len(rows) == self.max_batch:
+                break
+            if left[keys[row].class_id] > 0:
+                left[keys[row].class_id] -= 1
+                rows.append(row)
+        return rows
+
+    def _count(self, classes: np.ndarray, keep: np.ndarray, *, sample_s: float, judge_s: float) -> None:
+        if self._metrics is None:
+            return
+        m = self._metrics
+        for class_id, n in zip(*np.unique(classes, return_counts=True)):
+            kept = int(keep[classes == class_id].sum())
+            m.filter_candidates.labels(str(class_id)).inc(int(n))
+            m.filter_accepted.labels(str(class_id)).inc(kept)
+            m.filter_rejected.labels(str(class_id)).inc(int(n) - kept)
+        m.filter_judge_seconds.inc(judge_s)
+        m.filter_rejected_device_seconds.inc(sample_s * float((~keep).sum()) / len(keep))
+
+    def _shortfall(self, keys: Sequence[ImageKey], failed: set[int], wanted: Counter[int], drawn: Counter[int],
+                   accepted: Counter[int]) -> str:
+        parts = []
+        for c in sorted({keys[row].class_id for row in failed}):
+            rate = accepted[c] / drawn[c] if drawn[c] else 0.0
+            parts.append(f"class {c}: the judge accepted {accepted[c]} of {drawn[c]} candidates (acceptance rate "
+                         f"{rate:.2%}) for {wanted[c]} images")
+        return (f"quality filter at min_confidence {self.min_confidence:g}: {'; '.join(parts)}; a class may use "
+                f"{CANDIDATES_PER_IMAGE} candidates per image (+{CANDIDATE_SLACK}) in a sampling batch. Lower "
+                f"generation.min_confidence (--min-confidence) or use a better generator")
+
+
+def load_quality_filter(inner: GeneratorBackend, *, min_confidence: float, max_batch: int, data_dir: Path | None,
+                        judge_cache: Path | None, metrics: GeneratorMetrics | None = None) -> QualityFilter:
+    """Wrap `inner` with the judge of its dataset (`fedsynth generator evaluate`'s, seed 0, default recipe): loaded
+    from the judge cache, or trained on the dataset's real training split and cached there when absent."""
+    from generator_service.evaluation.judge import load_or_train_judge
+
+    served = inner.description
+    if served.dataset not in DATASETS:
+        raise ConfigError(f"--min-confidence needs a judge of the generator's dataset, but the backend names "
+                          f"{served.dataset!r}, not one of {', '.join(DATASETS)}")
+    try:
+        judge = load_or_train_judge(served.dataset, data_dir=data_dir, seed=JUDGE_SEED, root=judge_cache)
+    except (DataError, OSError) as exc:
+        raise ConfigError(f"--min-confidence {min_confidence:g} needs the judge trained on {served.dataset}'s real "
+                          f"training split, which could not be read: {exc}") from exc
+    if (judge.num_classes, judge.image_shape) != (served.num_classes, served.image_shape):
+        raise ConfigError(f"the judge of {served.dataset} sees {judge.num_classes} classes of "
+                          f"{'x'.join(map(str, judge.image_shape))} images, the generator serves {served.num_classes} "
+                          f"of {'x'.join(map(str, served.image_shape))}")
+    log.info("quality filter: min_confidence %g, judge %s (test accuracy %.4f, %s)", min_confidence, judge.folder,
+             judge.test_accuracy, "cached" if judge.cached else "trained now")
+    return QualityFilter(inner, JudgeScorer(judge.model, max_batch), min_confidence=min_confidence,
+                         max_batch=max_batch, judge_id=weights_digest(judge.model), metrics=metrics)

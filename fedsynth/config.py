@@ -28,7 +28,8 @@ from fedsynth.data import DATASETS
 from fedsynth.errors import ConfigError
 
 PAPER_RULE = {"exponent": 0.5, "entropy_factor": True}  # FedEAS's b_k as the paper defines it (the defaults below)
-LATER_GENERATION_KEYS = {"prompt_template": "a photo of a {name}", "class_names_file": None}  # text2image's
+# Keys that came later (text2image's, the quality filter's): at these defaults, old fingerprints hold.
+LATER_GENERATION_KEYS = {"prompt_template": "a photo of a {name}", "class_names_file": None, "min_confidence": 0.0}
 DEFAULT_PROMPT_TEMPLATE = LATER_GENERATION_KEYS["prompt_template"]
 MAX_SEED = 2**32 - 1  # torch, numpy and the derived per-client seeds all take it
 
@@ -107,6 +108,9 @@ class GenerationConfig(Section):
     size: str = "tiny"
     exponent: float = 0.5  # b_k grows as (N_k / C)^exponent: 0.5 the paper's sqrt, 1.0 its linear ablation (Table 2)
     entropy_factor: bool = True  # false drops (1 - H_k / ln C) from b_k: the paper's entropy ablation (Table 2)
+    # The quality filter: the generator serves only images its judge assigns to their class with at least this
+    # probability, drawing more until the counts are met (docs/generator.md); 0 = off.
+    min_confidence: float = 0.0
 
     def check(self) -> None:
         self.one_of("policy", POLICIES)
@@ -123,6 +127,7 @@ class GenerationConfig(Section):
         self.within("guidance", 0, 100)
         self.at_least(1, "train_steps")
         self.within("exponent", 0, MAX_EXPONENT)
+        self.within("min_confidence", 0, 1, high_open=True)
 
 
 def generator_addresses(value: str, *, key: str = "generation.generator") -> tuple[str, ...]:

@@ -68,6 +68,7 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "generation.size": ("str", ["huge", "Tiny", ""]),
     "generation.exponent": ("float", [-0.5, 2.5]),
     "generation.entropy_factor": ("bool", []),
+    "generation.min_confidence": ("float", [-0.1, 1, 1.5]),
     "runtime.host": ("str", [""]),
     "runtime.coordinator_port": ("int", [-1, 65536]),
     "runtime.round_timeout_s": ("float", [0, -1]),
@@ -406,6 +407,7 @@ def test_fedeas_ablation_keys_read_from_set_and_change_the_fingerprint_only_off_
         content["generation"].pop(key)
     later = {key: content["generation"].pop(key) for key in ("prompt_template", "class_names_file") if key in content["generation"]}
     assert later in ({}, {"prompt_template": "a photo of a {name}", "class_names_file": None})  # text2image's, at defaults
+    assert content["generation"].pop("min_confidence") == 0.0  # the quality filter's, off
     assert paper.fingerprint() == hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
     fingerprints = {paper.fingerprint(), ablated.fingerprint(),
                     load_config(None, ["generation.exponent=1.0"]).fingerprint(),

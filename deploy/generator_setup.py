@@ -57,6 +57,12 @@ def check_backend(cfg: RunConfig) -> None:
             "generation.backend = 'holdout' serves held-out real images, but data.holdout_fraction = 0 holds none out; "
             "set data.holdout_fraction in (0, 1), e.g. 0.1, or use generation.backend = 'ddpm'"
         )
+    if cfg.generation.min_confidence > 0 and cfg.generation.generator is not None:
+        raise ConfigError(
+            f"generation.min_confidence = {cfg.generation.min_confidence!r} is a setting of the generator the launcher "
+            f"starts, but generation.generator = {cfg.generation.generator!r} names a running one: start that one with "
+            "`fedsynth generator serve --min-confidence ...` and leave generation.min_confidence at 0"
+        )
     if cfg.generation.backend == "text2image" and cfg.generation.model_dir is None and cfg.generation.generator is None:
         raise ConfigError(
             "generation.backend = 'text2image' needs generation.model_dir: a folder written by a diffusers pipeline's "
@@ -65,6 +71,16 @@ def check_backend(cfg: RunConfig) -> None:
 
 
 def serve_arguments(cfg: RunConfig, group: ProcessGroup) -> list[str]:
+    """The flags for `fedsynth generator serve`: the backend's and the quality filter's."""
+    flags = backend_arguments(cfg, group)
+    if cfg.generation.min_confidence > 0:  # the judge learns from the run's real training split
+        flags += ["--min-confidence", repr(cfg.generation.min_confidence)]
+        if cfg.data.data_dir and "--data-dir" not in flags:
+            flags += ["--data-dir", cfg.data.data_dir]
+    return flags
+
+
+def backend_arguments(cfg: RunConfig, group: ProcessGroup) -> list[str]:
     """The backend's flags for `fedsynth generator serve`; trains the ddpm model first when none is cached."""
     check_backend(cfg)
     g = cfg.generation

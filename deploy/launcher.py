@@ -11,16 +11,28 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 from tqdm import tqdm
 
-from deploy.processes import ChildFailed, ProcessGroup, fedsynth_command, log_tail, wait_for_file
+from deploy.processes import Child, ChildFailed, ProcessGroup, fedsynth_command, log_tail, wait_for_file
 from deploy.report import LAST_N, build_report, load_coordinator_record
 from deploy.scrape import scrape, total
 from fedsynth import grpcutil, tls
 from fedsynth.config import RunConfig, load_config
-from fedsynth.generator_names import DEVICE_SECONDS_TOTAL, IMAGES_TOTAL, INFO, REQUESTS_TOTAL, SERVICE_NAME
+from fedsynth.generator_names import (
+    DEVICE_SECONDS_TOTAL,
+    FILTER_CANDIDATES_TOTAL,
+    FILTER_JUDGE_SECONDS_TOTAL,
+    FILTER_MIN_CONFIDENCE,
+    FILTER_REJECTED_DEVICE_SECONDS_TOTAL,
+    FILTER_REJECTED_TOTAL,
+    IMAGES_TOTAL,
+    INFO,
+    REQUESTS_TOTAL,
+    SERVICE_NAME,
+)
 from fedsynth.partition import check_partition
 from fedsynth.runtime import EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED, setup_logging, write_json
 from fedsynth.v1 import coordinator_pb2 as pb
@@ -28,6 +40,7 @@ from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger("launcher")
 START_TIMEOUT_S = 120.0
+JUDGE_START_TIMEOUT_S = 3600.0  # a generator with the quality filter may first train its judge (CIFAR-10 on a CPU)
 EXIT_TIMEOUT_S = 60.0  # for the coordinator after its last message; clients get less once it is gone
 
 
@@ -91,10 +104,24 @@ class Launcher:
         port = wait_for_file(port_file, child, timeout_s=START_TIMEOUT_S)
         address = f"{self.cfg.runtime.host}:{port}"
         channel = grpcutil.make_channel(address, self.credentials)
-        grpcutil.wait_for_serving(channel, SERVICE_NAME, timeout_s=START_TIMEOUT_S)
+        self._wait_for_serving(channel, child)
         channel.close()
         self.generation_setup_s = time.monotonic() - started
         return address
+
+    def _wait_for_serving(self, channel: grpc.Channel, child: Child) -> None:
+        """Until the generator says SERVING; longer when it may train a judge first, failing at once if it exits."""
+        limit = JUDGE_START_TIMEOUT_S if self.cfg.generation.min_confidence > 0 else START_TIMEOUT_S
+        stop_at = time.monotonic() + limit
+        while True:
+            try:
+                grpcutil.wait_for_serving(channel, SERVICE_NAME, timeout_s=min(START_TIMEOUT_S, stop_at - time.monotonic()))
+                return
+            except TimeoutError:
+                if child.process.poll() is not None:
+                    raise ChildFailed(child, child.process.returncode, "exited before serving") from None
+                if time.monotonic() >= stop_at:
+                    raise
 
     def start_coordinator(self) -> str:
         port_file = self.out_dir / "coordinator.port"
@@ -184,7 +211,7 @@ class Launcher:
                 return
             time.sleep(0.5)
 
-    def generator_counters(self) -> dict[str, float | str] | None:
+    def generator_counters(self) -> dict[str, Any] | None:
         """The generator's backend, model id and totals, read from its /metrics before it stops (None without one)."""
         if self.generator_metrics_file is None or not self.generator_metrics_file.is_file():
             return None
@@ -204,7 +231,30 @@ class Launcher:
             "images_total": int(total(values, IMAGES_TOTAL)),
             "device_seconds": total(values, DEVICE_SECONDS_TOTAL),
             "requests_total": int(total(values, REQUESTS_TOTAL)),
+            **filter_counters(values),
         }
+
+
+def filter_counters(values: dict[str, float]) -> dict[str, Any]:
+    """The quality filter's threshold and cost (absent when it was off): candidates drawn, accepted and rejected,
+    rejected per class, the sampling time of rejected candidates and the judge's time (both inside device_seconds)."""
+    min_confidence = total(values, FILTER_MIN_CONFIDENCE)
+    if not min_confidence:
+        return {}
+    candidates = int(total(values, FILTER_CANDIDATES_TOTAL))
+    rejected = int(total(values, FILTER_REJECTED_TOTAL))
+    per_class = {dict(re.findall(r'(\w+)="([^"]*)"', key)).get("class_id", ""): int(value) for key, value in values.items()
+                 if key.startswith(FILTER_REJECTED_TOTAL + "{")}
+    return {
+        "min_confidence": min_confidence,
+        "candidates_total": candidates,
+        "accepted_total": candidates - rejected,
+        "rejected_total": rejected,
+        "rejected_per_class": dict(sorted(per_class.items(), key=lambda item: int(item[0] or 0))),
+        "acceptance_rate": (candidates - rejected) / candidates if candidates else None,
+        "rejected_device_seconds": total(values, FILTER_REJECTED_DEVICE_SECONDS_TOTAL),
+        "judge_seconds": total(values, FILTER_JUDGE_SECONDS_TOTAL),
+    }
 
 
 def run(args: argparse.Namespace) -> int:

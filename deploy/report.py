@@ -16,9 +16,10 @@ def build_report(
     wall_clock_s: float,
     processes: dict[str, int],
     generation_wall_s: float = 0.0,
-    generator_counters: dict[str, float | str] | None = None,
+    generator_counters: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """generation.device_seconds is the generator's own sampling time (its Prometheus counter), when it ran."""
+    """generation.device_seconds is the generator's own sampling time (its Prometheus counter), when it ran; with the
+    quality filter it includes the rejected candidates, and generation.quality_filter says how many there were."""
     rounds = coordinator.get("rounds", [])
     accuracies = [r["accuracy"] for r in rounds]
     tail = accuracies[-LAST_N:]
@@ -63,6 +64,7 @@ def build_report(
             "wall_seconds": float(max((g.get("wall_seconds", 0.0) for g in per_client.values()), default=0.0)),
             "cache_hits": sorted(cid for cid, g in per_client.items() if g.get("cache_hit")),
             "generator": generator_counters,
+            "quality_filter": quality_filter(generator_counters),
             "backend": (generator_counters or {}).get("backend") or config.get("generation", {}).get("backend"),
             "policy": config.get("generation", {}).get("policy"),
         },
@@ -75,6 +77,16 @@ def build_report(
         },
         "processes": processes,
     }
+
+
+def quality_filter(generator_counters: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The quality filter's threshold and extra cost, from the generator's counters; None when it was off."""
+    counters = generator_counters or {}
+    if not counters.get("min_confidence"):
+        return None
+    keys = ("min_confidence", "candidates_total", "accepted_total", "rejected_total", "rejected_per_class",
+            "acceptance_rate", "rejected_device_seconds", "judge_seconds")
+    return {key: counters.get(key) for key in keys}
 
 
 def load_coordinator_record(run_dir: Path) -> dict[str, Any]:

@@ -219,6 +219,7 @@ def _markdown(report: dict[str, Any], record: dict[str, Any], gen_rows: list[Cli
         f"| mean accuracy, last {min(LAST_N, len(rounds))} rounds | {_fmt(report.get('last20_mean_accuracy'))} |",
         f"| synthetic images | {report.get('generation', {}).get('total_images', 0):,} |",
         f"| generation device-seconds | {report.get('generation', {}).get('device_seconds', 0.0):.2f} |",
+        *_quality_filter_rows(report.get("generation", {}).get("quality_filter")),
         f"| wall-clock | {report.get('wall_clock_s', 0.0):.1f} s |",
         f"| bytes sent / received | {report.get('bytes', {}).get('sent', 0):,} / {report.get('bytes', {}).get('received', 0):,} |",
         "",
@@ -249,6 +250,20 @@ def _markdown(report: dict[str, Any], record: dict[str, Any], gen_rows: list[Cli
     lines += ["## Plots", "", *[f"![{p.stem}]({PLOTS}/{p.name})" for p in plots], ""]
     lines += ["Processes: " + ", ".join(f"{role} (pid {pid})" for role, pid in report.get("processes", {}).items()), ""]
     return "\n".join(lines)
+
+
+def _quality_filter_rows(filtered: dict[str, Any] | None) -> list[str]:
+    """The quality filter's rows of the summary table: nothing when it was off."""
+    if not filtered:
+        return []
+    rate = filtered.get("acceptance_rate")
+    return [
+        f"| quality filter (min_confidence {filtered['min_confidence']:g}) | {filtered.get('accepted_total', 0):,} of "
+        f"{filtered.get('candidates_total', 0):,} candidates accepted ({'n/a' if rate is None else f'{rate:.1%}'}) |",
+        f"| rejected images per class | {', '.join(f'{c}: {n}' for c, n in (filtered.get('rejected_per_class') or {}).items())} |",
+        f"| device-seconds on rejected candidates / judging | {filtered.get('rejected_device_seconds', 0.0):.2f} / "
+        f"{filtered.get('judge_seconds', 0.0):.2f} |",
+    ]
 
 
 def _sdafl_section(record: dict[str, Any]) -> list[str]:

@@ -1,0 +1,239 @@
+"""The quality filter (`generation.min_confidence`): exact counts, the same bytes however batched, the cost counted and
+reported, a bounded clear failure for an impossible threshold, and bad values refused naming the key."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from deploy.generator_setup import check_backend, serve_arguments
+from deploy.launcher import Launcher
+from deploy.processes import ProcessGroup
+from deploy.report import quality_filter
+from fedsynth import grpcutil
+from fedsynth.config import load_config
+from fedsynth.errors import ConfigError
+from fedsynth.generator_client import GeneratorInfo
+from fedsynth.v1 import generator_pb2, generator_pb2_grpc
+from generator_service import serve_cmd
+from generator_service.backends import BackendDescription, PartlyUnservable
+from generator_service.ddpm.sampling import ImageKey
+from generator_service.quality_filter import CANDIDATE_SLACK, CANDIDATES_PER_IMAGE, QualityFilter
+from generator_service.serve_cmd import GeneratorServer, ServeConfig
+
+HOLDOUT = {"backend": "holdout", "dataset": "digits", "holdout_fraction": 0.2, "seed": 0}
+DESCRIPTION = BackendDescription(backend="noise", model_id="noise", dataset="digits", num_classes=3,
+                                 image_shape=(1, 4, 4), device="cpu", dtype="uint8")
+
+
+class NoiseBackend:
+    """Pure noise: each image a pure function of its key, as every backend's is."""
+
+    description = DESCRIPTION
+
+    def __init__(self) -> None:
+        self.drawn: list[ImageKey] = []
+
+    def sample(self, keys: Sequence[ImageKey]) -> np.ndarray:
+        self.drawn += keys
+        return np.stack([np.random.default_rng([k.seed, k.class_id, k.index]).integers(0, 256, (4, 4, 1), dtype=np.uint8)
+                         for k in keys])
+
+    def check_counts(self, counts: Sequence[int]) -> None:
+        return None
+
+
+class PixelScorer:
+    """A stand-in judge: the confidence is the image's first pixel / 255 (class 2: never above 0)."""
+
+    def confidence(self, images: np.ndarray, classes: np.ndarray) -> np.ndarray:
+        return np.where(classes == 2, 0.0, images[:, 0, 0, 0] / 255.0)
+
+
+def _filter(min_confidence: float, max_batch: int = 8) -> tuple[QualityFilter, NoiseBackend]:
+    inner = NoiseBackend()
+    return QualityFilter(inner, PixelScorer(), min_confidence=min_confidence, max_batch=max_batch,  # type: ignore[arg-type]
+                         judge_id="test"), inner
+
+
+def _keys(counts: list[int], seed: int = 5, offset: int = 0) -> list[ImageKey]:
+    return [ImageKey(seed, c, offset + j) for c, n in enumerate(counts) for j in range(n)]
+
+
+def test_every_image_passes_and_is_the_first_accepted_candidate_of_its_own() -> None:
+    filtered, inner = _filter(0.5)
+    keys = _keys([6, 5])
+    images = filtered.sample(keys)
+    assert images.shape == (11, 4, 4, 1) and (images[:, 0, 0, 0] >= 128).all()
+    unfiltered = inner.sample(keys)
+    for key, image, plain in zip(keys, images, unfiltered):  # a candidate the judge accepts at once is served as is
+        if plain[0, 0, 0] >= 128:
+            assert image.tobytes() == plain.tobytes(), key
+    assert filtered.description.model_id == "noise-q0.5-jtest"
+
+
+def test_the_same_bytes_however_the_images_are_batched() -> None:
+    keys = _keys([9, 7])
+    whole = _filter(0.7, max_batch=64)[0].sample(keys)
+    small = _filter(0.7, max_batch=3)[0]
+    pieces = np.concatenate([small.sample(keys[i : i + 4]) for i in range(0, len(keys), 4)])
+    shuffled = np.random.default_rng(0).permutation(len(keys))
+    alone = small.sample([keys[i] for i in shuffled])
+    assert whole.tobytes() == pieces.tobytes() == alone[np.argsort(shuffled)].tobytes()
+    offsets = small.sample(_keys([0, 3], offset=4))  # offsets resume the same images
+    assert offsets.tobytes() == whole[13:16].tobytes()
+
+
+def test_an_impossible_class_fails_alone_within_its_budget_naming_class_threshold_and_rate() -> None:
+    filtered, inner = _filter(0.5)
+    with pytest.raises(PartlyUnservable) as caught:
+        filtered.sample(_keys([2, 0, 3]))
+    message = str(caught.value)
+    assert "min_confidence 0.5" in message and "class 2: the judge accepted 0 of" in message
+    assert "acceptance rate 0.00%" in message and "class 0" not in message
+    assert caught.value.failed_rows == frozenset({2, 3, 4})
+    assert (caught.value.images[:2, 0, 0, 0] >= 128).all()  # class 0 was served
+    assert sum(k.class_id == 2 for k in inner.drawn) == CANDIDATES_PER_IMAGE * 3 + CANDIDATE_SLACK
+
+
+# --- over gRPC: the holdout backend on digits, judged by `fedsynth generator evaluate`'s cached digits judge ---
+
+
+@pytest.fixture(scope="module")
+def judges(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("judges")
+
+
+def _server(judges: Path, **overrides: object) -> GeneratorServer:
+    settings: dict[str, object] = {**HOLDOUT, "max_batch": 16, "max_wait_ms": 5.0, "metrics_port": -1,
+                                   "min_confidence": 0.9, "judge_cache": judges, "threads": 1, **overrides}
+    return GeneratorServer(ServeConfig(**settings), registry=CollectorRegistry())  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def served(judges: Path) -> Iterator[tuple[GeneratorServer, grpc.Channel]]:
+    server = _server(judges, metrics_port=0)
+    port = server.start()
+    server.load()  # trains the digits judge into `judges` (seconds), as a first `generator evaluate` would
+    channel = grpcutil.make_channel(f"127.0.0.1:{port}")
+    yield server, channel
+    channel.close()
+    server.stop(0)
+
+
+def _generate(channel: grpc.Channel, counts: list[int], seed: int, offsets: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    stub = generator_pb2_grpc.GeneratorStub(channel)
+    request = generator_pb2.GenerateRequest(counts=counts, seed=seed, offsets=offsets or [])
+    labels, images = [], []
+    for batch in stub.Generate(request, timeout=120):
+        labels.append(np.asarray(batch.labels))
+        images.append(np.frombuffer(batch.images, np.uint8).reshape(len(batch.labels), batch.height, batch.width,
+                                                                    batch.channels))
+    return np.concatenate(labels), np.concatenate(images)
+
+
+def test_exact_counts_the_same_bytes_in_other_batches_and_the_cost_reported(
+        served: tuple[GeneratorServer, grpc.Channel], judges: Path, tmp_path: Path) -> None:
+    server, channel = served
+    counts = [30] * 10
+    labels, images = _generate(channel, counts, seed=4)
+    assert np.bincount(labels, minlength=10).tolist() == counts
+    info = GeneratorInfo.fetch(channel, timeout_s=10)
+    assert info.model_id.startswith("holdout-digits-f0.2-s0-") and "-q0.9-j" in info.model_id
+
+    other = _server(judges, max_batch=3)  # the judge now comes from the cache
+    port = other.start()
+    other.load()
+    try:
+        other_channel = grpcutil.make_channel(f"127.0.0.1:{port}")
+        _, tail = _generate(other_channel, [0, 5, 0, 7], seed=4, offsets=[0, 25, 0, 23])
+        other_channel.close()
+    finally:
+        other.stop(0)
+    assert tail.tobytes() == np.concatenate([images[55:60], images[113:120]]).tobytes()
+
+    metrics = server.metrics.registry
+    per_class = [(metrics.get_sample_value(f"fedsynth_generator_filter_{name}_total", {"class_id": str(c)}) or 0.0)
+                 for name in ("candidates", "accepted", "rejected") for c in range(10)]
+    candidates, accepted, rejected = per_class[:10], per_class[10:20], per_class[20:]
+    assert accepted == [30.0] * 10 and [a + r for a, r in zip(accepted, rejected)] == candidates
+    assert sum(rejected) > 0  # some real digits are judged below 0.9
+    assert metrics.get_sample_value("fedsynth_generator_filter_min_confidence") == 0.9
+    device = metrics.get_sample_value("fedsynth_generator_device_seconds_total") or 0.0
+    assert 0 < (metrics.get_sample_value("fedsynth_generator_filter_rejected_device_seconds_total") or 0.0) < device
+
+    (tmp_path / "generator.metrics-port").write_text(f"{server.metrics_port}\n")  # what the launcher reads
+    cfg = load_config(None, ["generation.backend=holdout", "data.holdout_fraction=0.2", "generation.min_confidence=0.9"])
+    launcher = Launcher(cfg, argparse.Namespace(config=None, set=[]), tmp_path)
+    launcher.generator_metrics_file = tmp_path / "generator.metrics-port"
+    counters = launcher.generator_counters()
+    report = quality_filter(counters)
+    assert report is not None and report["min_confidence"] == 0.9
+    assert (report["candidates_total"], report["accepted_total"], report["rejected_total"]) == (
+        sum(candidates), 300, sum(rejected))
+    assert report["rejected_per_class"] == {str(c): int(r) for c, r in enumerate(rejected)}
+    assert report["acceptance_rate"] == pytest.approx(300 / sum(candidates))
+    assert 0 < report["rejected_device_seconds"] < counters["device_seconds"]  # type: ignore[index]
+
+
+def test_an_impossible_threshold_fails_the_request_in_one_clear_status(
+        judges: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def never(inner, *, min_confidence, max_batch, metrics, **_):  # type: ignore[no-untyped-def]
+        zero = type("Zero", (), {"confidence": lambda self, images, classes: np.zeros(len(images))})()
+        return QualityFilter(inner, zero, min_confidence=min_confidence, max_batch=max_batch, judge_id="zero",
+                             metrics=metrics)
+
+    monkeypatch.setattr(serve_cmd, "load_quality_filter", never)
+    server = _server(judges, min_confidence=0.99)
+    port = server.start()
+    server.load()
+    channel = grpcutil.make_channel(f"127.0.0.1:{port}")
+    try:
+        with pytest.raises(grpc.RpcError) as caught:
+            _generate(channel, [0, 0, 4], seed=1)
+    finally:
+        channel.close()
+        server.stop(0)
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    details = caught.value.details()
+    assert "min_confidence 0.99" in details and "class 2" in details and "acceptance rate 0.00%" in details
+    drawn = server.metrics.registry.get_sample_value("fedsynth_generator_filter_candidates_total", {"class_id": "2"})
+    assert drawn == CANDIDATES_PER_IMAGE * 4 + CANDIDATE_SLACK
+
+
+# --- configuration ---
+
+
+@pytest.mark.parametrize("value", ["1.0", "1", "-0.1", "nan", "inf", '"high"', "true"])
+def test_bad_min_confidence_is_refused_naming_the_key(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"generation\.min_confidence"):
+        load_config(None, [f"generation.min_confidence={value}"])
+
+
+@pytest.mark.parametrize("value", [1.0, -0.5, 2.0])
+def test_serve_refuses_a_bad_min_confidence(value: float) -> None:
+    with pytest.raises(ConfigError, match="--min-confidence must be in"):
+        ServeConfig(**HOLDOUT, min_confidence=value)  # type: ignore[arg-type]
+    parser = argparse.ArgumentParser()
+    serve_cmd.add_arguments(parser)
+    args = parser.parse_args(["--backend", "holdout", "--min-confidence", str(value)])
+    assert args.min_confidence == value
+
+
+def test_the_launcher_passes_min_confidence_and_refuses_it_for_a_running_generator(tmp_path: Path) -> None:
+    cfg = load_config(None, ["generation.backend=holdout", "data.holdout_fraction=0.2", "generation.min_confidence=0.5"])
+    assert serve_arguments(cfg, ProcessGroup(tmp_path / "logs"))[-2:] == ["--min-confidence", "0.5"]
+    assert "--min-confidence" not in serve_arguments(load_config(None, ["generation.backend=holdout",
+                                                                         "data.holdout_fraction=0.2"]),
+                                                      ProcessGroup(tmp_path / "logs"))
+    running = load_config(None, ["generation.generator=127.0.0.1:9", "generation.min_confidence=0.5"])
+    with pytest.raises(ConfigError, match="generation.min_confidence = 0.5 is a setting of the generator"):
+        check_backend(running)
+    assert load_config(None).fingerprint() == load_config(None, ["generation.min_confidence=0"]).fingerprint()
+    assert load_config(None).fingerprint() != cfg.fingerprint()

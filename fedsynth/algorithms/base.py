@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from fedsynth.codec import all_finite
 from fedsynth.config_schema import check_parameter
 from fedsynth.errors import WireError
 from fedsynth.training import LocalTrainConfig, TrainData
@@ -119,11 +120,15 @@ class Aggregator:
     def total_weight(self) -> float:
         return self._total_weight
 
-    def add(self, state: StateDict, extra: StateDict, weight: float) -> None:
-        """Fold one client's state (weighted by its original dataset size N_k) into the running sum."""
+    def add(self, state: StateDict, extra: StateDict, weight: float, *, layout_checked: bool = False) -> None:
+        """Fold one client's state (weighted by its original dataset size N_k) into the running sum.
+
+        layout_checked: the caller has already run `codec.check_like` against this round's global state (same keys,
+        shapes and dtypes, all finite), a superset of this layout check, which is then not repeated."""
         if isinstance(weight, bool) or not (isinstance(weight, numbers.Real) and math.isfinite(weight) and weight > 0):
             raise ValueError(f"aggregation weight must be a finite number > 0, got {weight!r}")
-        check_same_layout(state, self._template, what="client state")
+        if not layout_checked:
+            check_same_layout(state, self._template, what="client state")
         self.add_extra(extra)
         for key, value in state.items():
             self._sums[key].add_(value.detach().to("cpu", torch.float64), alpha=float(weight))
@@ -163,5 +168,5 @@ def check_same_layout(tensors: StateDict, template: dict[str, tuple[torch.dtype,
     for key, value in tensors.items():
         if tuple(value.shape) != template[key][1]:
             raise WireError(f"{what}: {key!r} has shape {tuple(value.shape)}, expected {template[key][1]}")
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        if value.is_floating_point() and not all_finite(value):
             raise WireError(f"{what}: {key!r} holds NaN or infinite values")

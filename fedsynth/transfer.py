@@ -1,0 +1,81 @@
+"""Payloads moved without extra copies: one buffer per payload, chunk messages framed once, chunks received in place.
+
+Same checks, order and messages as `codec.assemble`: the announced size against the limit, the chunk count,
+chunks in order and within the announced size, the full length, then the SHA-256 (hashed as chunks arrive).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from fedsynth.codec import CHUNK_BYTES, MAX_PAYLOAD_BYTES, PayloadMeta, num_chunks
+from fedsynth.errors import WireError
+from fedsynth.raw_messages import chunk_message
+from fedsynth.tensor_buffer import fresh_buffer
+
+
+def byte_view(buffer: torch.Tensor) -> memoryview:
+    """The bytes of a 1-D uint8 tensor, without a copy."""
+    return memoryview(buffer.numpy()).cast("B")
+
+
+def describe_buffer(buffer: torch.Tensor) -> PayloadMeta:
+    size = buffer.numel()
+    return PayloadMeta(size, hashlib.sha256(byte_view(buffer)).hexdigest(), num_chunks(size))
+
+
+def chunk_views(buffer: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, memoryview]]:
+    """(seq, memoryview) pieces of the buffer; no copies."""
+    view = byte_view(buffer)
+    for seq, start in enumerate(range(0, len(view), chunk_bytes)):
+        yield seq, view[start : start + chunk_bytes]
+
+
+def chunk_messages(buffer: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """The serialized chunk messages of a payload (one copy of each chunk, made as the message is needed)."""
+    for seq, piece in chunk_views(buffer, chunk_bytes):
+        yield chunk_message(seq, piece)
+
+
+@dataclass(frozen=True)
+class PreparedPayload:
+    """A payload ready for any number of receivers: its description and its chunk messages, serialized once."""
+
+    meta: PayloadMeta
+    messages: tuple[bytes, ...]
+
+
+def prepare(buffer: torch.Tensor) -> PreparedPayload:
+    """Hash once and frame once; the buffer itself is not kept."""
+    return PreparedPayload(describe_buffer(buffer), tuple(chunk_messages(buffer)))
+
+
+def receive_into(meta: PayloadMeta, chunks: Iterable[tuple[int, bytes]], *, max_bytes: int = MAX_PAYLOAD_BYTES) -> torch.Tensor:
+    """The payload in one uint8 tensor of the announced size, each chunk written in place as it arrives."""
+    if meta.total_bytes > max_bytes:
+        raise WireError(f"announced payload of {meta.total_bytes} bytes exceeds the limit of {max_bytes}")
+    if meta.num_chunks != num_chunks(meta.total_bytes):
+        raise WireError(f"announced {meta.num_chunks} chunks for {meta.total_bytes} bytes; expected {num_chunks(meta.total_bytes)}")
+    buffer = fresh_buffer(meta.total_bytes)  # untouched pages: an announced size never sent costs no memory
+    view = byte_view(buffer)
+    digest = hashlib.sha256()
+    received = expected = 0
+    for seq, data in chunks:
+        if seq != expected:
+            raise WireError(f"chunk {seq} arrived where chunk {expected} was expected")
+        size = len(data)
+        if size > CHUNK_BYTES or received + size > meta.total_bytes:
+            raise WireError(f"chunk {seq} overruns the announced {meta.total_bytes} bytes")
+        view[received : received + size] = data
+        digest.update(data)
+        received += size
+        expected += 1
+    if received != meta.total_bytes:
+        raise WireError(f"payload ended after {received} of {meta.total_bytes} bytes ({expected} chunks)")
+    if digest.hexdigest() != meta.sha256:
+        raise WireError(f"payload checksum {digest.hexdigest()[:12]}… does not match the announced {meta.sha256[:12]}…")
+    return buffer

@@ -1,0 +1,262 @@
+"""The zero-copy payload path: one-buffer encode, in-place receive, views decode, hand-framed chunk messages."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+from safetensors.torch import load as st_load
+
+from fedsynth import codec
+from fedsynth.algorithms.base import Aggregator
+from fedsynth.errors import WireError
+from fedsynth.raw_messages import chunk_message, passthrough
+from fedsynth.tensor_buffer import HUGE_PAGE_BYTES, decode_views, encode_to_buffer, fresh_buffer
+from fedsynth.transfer import byte_view, chunk_views, describe_buffer, prepare, receive_into
+from fedsynth.v1 import coordinator_pb2 as pb
+
+CHUNK = codec.CHUNK_BYTES
+Chunks = list[tuple[int, bytes]]
+
+
+def mixed_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model/conv.weight": torch.randn(4, 3, 3, 3, generator=g),
+        "model/bn.num_batches_tracked": torch.tensor(7),
+        "model/odd": torch.randn(3, generator=g).half(),
+        "model/empty": torch.zeros(0, 5),
+        "extra/bf16": torch.randn(5, generator=g).bfloat16(),
+        "extra/bytes": torch.arange(5, dtype=torch.uint8),
+        "extra/flags": torch.tensor([True, False, True]),
+        "extra/f64": torch.randn(2, 2, generator=g, dtype=torch.float64),
+    }
+
+
+def payload_of(size: int) -> bytes:
+    return bytes((i * 7919) % 251 for i in range(size))
+
+
+def pieces(data: bytes, size: int = CHUNK) -> Chunks:
+    return list(codec.split(data, size))
+
+
+def as_buffer(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def shares_memory(view: torch.Tensor, buffer: torch.Tensor) -> bool:
+    start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
+    return view.numel() == 0 or start <= view.data_ptr() < end
+
+
+# ---- encode and decode --------------------------------------------------------------------------
+
+
+def test_encoded_buffer_is_safetensors_both_ways() -> None:
+    tensors = mixed_tensors()
+    buffer = encode_to_buffer(tensors)
+    loaded = st_load(bytes(byte_view(buffer)))  # safetensors' own reader accepts what we write
+    views = decode_views(as_buffer(codec.encode(tensors)))  # and we read what safetensors writes
+    for name, value in tensors.items():
+        assert loaded[name].dtype == value.dtype and torch.equal(loaded[name], value), name
+        assert views[name].dtype == value.dtype and torch.equal(views[name], value), name
+
+
+def test_decoded_tensors_are_views_of_the_received_buffer() -> None:
+    tensors = mixed_tensors()
+    buffer = encode_to_buffer(tensors)
+    views = decode_views(buffer)
+    for name, value in views.items():
+        assert shares_memory(value, buffer), name
+        assert torch.equal(value, tensors[name]), name
+    buffer.zero_()  # the same memory: no copy was made
+    assert not views["model/conv.weight"].any()
+
+
+def test_an_unaligned_tensor_from_another_encoder_is_read_correctly() -> None:
+    value = torch.arange(6, dtype=torch.float32)
+    header = {"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+              "b": {"dtype": "F32", "shape": [2, 3], "data_offsets": [1, 25]}}
+    text = json.dumps(header).encode()
+    data = len(text).to_bytes(8, "little") + text + b"\x05" + value.numpy().tobytes()
+    views = decode_views(as_buffer(data))
+    assert torch.equal(views["b"], value.view(2, 3)) and int(views["a"]) == 5
+
+
+def raw_safetensors(header: object, data: bytes = b"", *, length: int | None = None) -> bytes:
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return (len(text) if length is None else length).to_bytes(8, "little") + text + data
+
+
+F32_2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+MALFORMED = {
+    "garbage": b"\x93NUMPY not a safetensors file " * 40,
+    "too short for a header length": b"\x01\x02",
+    "header longer than the payload": raw_safetensors({"a": F32_2}, bytes(8), length=10**6),
+    "header not JSON": raw_safetensors(b"{not json", bytes(8)),
+    "header not an object": raw_safetensors([1, 2]),
+    "duplicate tensor name": raw_safetensors(b'{"a":' + json.dumps(F32_2).encode() + b',"a":' + json.dumps(F32_2).encode() + b"}", bytes(8)),
+    "unknown dtype": raw_safetensors({"a": {**F32_2, "dtype": "F128"}}, bytes(8)),
+    "extra entry field": raw_safetensors({"a": {**F32_2, "offset": 3}}, bytes(8)),
+    "negative dimension": raw_safetensors({"a": {**F32_2, "shape": [-2]}}, bytes(8)),
+    "size disagrees with shape": raw_safetensors({"a": {**F32_2, "shape": [3]}}, bytes(8)),
+    "reversed offsets": raw_safetensors({"a": {**F32_2, "data_offsets": [8, 0]}}, bytes(8)),
+    "gap between tensors": raw_safetensors({"a": F32_2, "b": {**F32_2, "data_offsets": [12, 20]}}, bytes(20)),
+    "overlapping tensors": raw_safetensors({"a": F32_2, "b": {**F32_2, "data_offsets": [4, 12]}}, bytes(12)),
+    "trailing bytes": raw_safetensors({"a": F32_2}, bytes(12)),
+    "data past the end": raw_safetensors({"a": F32_2}, bytes(4)),
+    "bool other than 0 or 1": raw_safetensors({"a": {"dtype": "BOOL", "shape": [2], "data_offsets": [0, 2]}}, b"\x01\x02"),
+    "metadata not strings": raw_safetensors({"__metadata__": {"k": 1}, "a": F32_2}, bytes(8)),
+    "huge dimension of an empty tensor": raw_safetensors({"a": {"dtype": "F32", "shape": [0, 1 << 70], "data_offsets": [0, 0]}}),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_malformed_safetensors_is_refused_with_the_usual_message(name: str) -> None:
+    with pytest.raises(WireError, match=r"^payload is not valid safetensors \("):
+        decode_views(as_buffer(MALFORMED[name]))
+
+
+def test_metadata_and_empty_payloads_decode() -> None:
+    assert decode_views(as_buffer(raw_safetensors({"__metadata__": {"format": "pt"}}))) == {}
+    assert decode_views(encode_to_buffer({})) == {}
+
+
+# ---- chunk messages ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seq", [0, 1, 127, 128, 300, 2047])
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 16_384, CHUNK])
+def test_hand_framed_chunk_messages_are_protobufs_own_bytes(seq: int, size: int) -> None:
+    data = payload_of(size)
+    framed = chunk_message(seq, memoryview(data))
+    for wrapper in (pb.ServerMessage, pb.UpdateChunk, pb.SyntheticChunk, pb.MeanDataChunk):
+        assert framed == wrapper(chunk=pb.Chunk(seq=seq, data=data)).SerializeToString(), wrapper.__name__
+        parsed = wrapper.FromString(framed)
+        assert parsed.WhichOneof("kind") == "chunk" and parsed.chunk.seq == seq and parsed.chunk.data == data
+
+
+def test_passthrough_serializer_sends_bytes_as_they_are() -> None:
+    serialize = passthrough(pb.UpdateChunk.SerializeToString)
+    header = pb.UpdateChunk(header=pb.UpdateHeader(client_id=3))
+    assert serialize(b"already serialized") == b"already serialized"
+    assert serialize(header) == header.SerializeToString()
+
+
+def test_prepared_payload_frames_every_chunk_once() -> None:
+    data = payload_of(3 * CHUNK + 17)
+    prepared = prepare(as_buffer(data))
+    assert prepared.meta == codec.describe(data)
+    received = [pb.ServerMessage.FromString(m).chunk for m in prepared.messages]
+    assert [c.seq for c in received] == [0, 1, 2, 3]
+    assert b"".join(c.data for c in received) == data
+
+
+# ---- receiving in place --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK])
+def test_receive_into_puts_every_byte_in_place_at_chunk_boundaries(size: int) -> None:
+    data = payload_of(size)
+    buffer = receive_into(codec.describe(data), pieces(data))
+    assert buffer.dtype == torch.uint8 and buffer.numel() == size
+    assert bytes(byte_view(buffer)) == data
+    assert describe_buffer(buffer) == codec.describe(data)
+    assert [len(piece) for _, piece in chunk_views(buffer)] == [len(piece) for _, piece in pieces(data)]
+
+
+def test_small_chunks_are_accepted_too() -> None:
+    data = payload_of(1000)
+    assert bytes(byte_view(receive_into(codec.describe(data), pieces(data, 64)))) == data
+
+
+def test_received_update_decodes_as_views_of_the_one_buffer() -> None:
+    tensors = mixed_tensors()
+    data = codec.encode(tensors)
+    buffer = receive_into(codec.describe(data), pieces(data, 100))
+    views = decode_views(buffer)
+    assert all(shares_memory(v, buffer) for v in views.values())
+    assert all(torch.equal(views[k], v) for k, v in tensors.items())
+
+
+def drop_last(chunks: Chunks) -> Chunks:
+    return chunks[:-1]
+
+
+def swap_first(chunks: Chunks) -> Chunks:
+    return [chunks[1], chunks[0], *chunks[2:]]
+
+
+DATA = payload_of(2 * CHUNK + 10)
+BAD: dict[str, tuple[codec.PayloadMeta, Callable[[Chunks], Chunks], int, str]] = {
+    "short payload": (codec.describe(DATA), drop_last, codec.MAX_PAYLOAD_BYTES, "payload ended after"),
+    "long payload": (codec.PayloadMeta(len(DATA) - 5, codec.sha256(DATA), 3), lambda c: c, codec.MAX_PAYLOAD_BYTES, "overruns the announced"),
+    "oversized chunk": (codec.describe(DATA), lambda c: [(0, DATA[: CHUNK + 1])], codec.MAX_PAYLOAD_BYTES, "chunk 0 overruns"),
+    "bad hash": (codec.PayloadMeta(len(DATA), "0" * 64, 3), lambda c: c, codec.MAX_PAYLOAD_BYTES, "does not match the announced 000000000000"),
+    "wrong chunk order": (codec.describe(DATA), swap_first, codec.MAX_PAYLOAD_BYTES, "chunk 1 arrived where chunk 0 was expected"),
+    "repeated chunk": (codec.describe(DATA), lambda c: [c[0], c[0], *c[1:]], codec.MAX_PAYLOAD_BYTES, "chunk 0 arrived where chunk 1"),
+    "oversized announced total": (codec.PayloadMeta(10**12, "0" * 64, codec.num_chunks(10**12)), lambda c: c, codec.MAX_PAYLOAD_BYTES,
+                                  "announced payload of 1000000000000 bytes exceeds the limit"),
+    "over the caller's limit": (codec.describe(DATA), lambda c: c, len(DATA) - 1, "exceeds the limit of"),
+    "wrong chunk count": (codec.PayloadMeta(len(DATA), codec.sha256(DATA), 9), lambda c: c, codec.MAX_PAYLOAD_BYTES, "announced 9 chunks"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_transfers_are_refused_exactly_as_assemble_refuses_them(name: str) -> None:
+    meta, mangle, limit, text = BAD[name]
+    with pytest.raises(WireError) as old:
+        codec.assemble(meta, mangle(pieces(DATA)), max_bytes=limit)
+    with pytest.raises(WireError) as new:
+        receive_into(meta, mangle(pieces(DATA)), max_bytes=limit)
+    assert str(new.value) == str(old.value)
+    assert text in str(new.value)
+
+
+def test_an_announced_size_allocates_nothing_before_the_chunks_come() -> None:
+    meta = codec.PayloadMeta(1 << 30, hashlib.sha256(b"").hexdigest(), codec.num_chunks(1 << 30))
+    with pytest.raises(WireError, match="payload ended after 0 of 1073741824 bytes"):
+        receive_into(meta, [])
+
+
+def test_fresh_buffers_outlive_their_mapping_through_their_views() -> None:
+    buffer = fresh_buffer(HUGE_PAGE_BYTES + 3)
+    buffer.fill_(9)
+    tail = buffer[-3:]
+    del buffer
+    assert tail.tolist() == [9, 9, 9]
+    assert fresh_buffer(0).numel() == 0 and fresh_buffer(5).numel() == 5
+
+
+# ---- validation and folding ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_all_finite_agrees_with_isfinite(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    assert codec.all_finite(torch.zeros(0, dtype=dtype))
+    for size in (1, 2, 17, 1000, 70_001):
+        clean = torch.randn(size, generator=g).to(dtype)
+        assert codec.all_finite(clean)
+        for bad in (math.nan, math.inf, -math.inf):
+            for where in {0, size // 2, size - 1}:
+                dirty = clean.clone()
+                dirty[where] = bad
+                assert not codec.all_finite(dirty), (size, bad, where)
+
+
+def test_folding_a_checked_update_skips_only_the_repeated_check() -> None:
+    g = torch.Generator().manual_seed(2)
+    template = {"w": torch.randn(64, 9, generator=g), "n": torch.tensor(3)}
+    updates = [{"w": torch.randn(64, 9, generator=g), "n": torch.tensor(i)} for i in range(3)]
+    checked, trusted = Aggregator(template), Aggregator(template)
+    for weight, update in zip((3.0, 1.0, 7.0), updates):
+        checked.add(update, {}, weight)
+        trusted.add(decode_views(encode_to_buffer(update)), {}, weight, layout_checked=True)
+    for key, value in checked.finish()[0].items():
+        assert torch.equal(trusted.finish()[0][key], value), key

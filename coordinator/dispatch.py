@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedsynth import codec
+from fedsynth.transfer import PreparedPayload
 
 
 @dataclass(frozen=True)
@@ -13,8 +14,11 @@ class TaskDelivery:
     round: int
     deadline_s: float
     quota: list[int]
-    payload: bytes
-    meta: codec.PayloadMeta
+    payload: PreparedPayload  # chunk messages serialized once per round, shared by every client
+
+    @property
+    def meta(self) -> codec.PayloadMeta:
+        return self.payload.meta
 
 
 @dataclass(frozen=True)

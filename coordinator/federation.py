@@ -172,14 +172,14 @@ class Federation:
                 raise StateError(f"client {client_id} was not sampled in round {rnd.number} or already answered")
         meta = codec.PayloadMeta(header["total_bytes"], header["sha256"], header["num_chunks"])
         log.info("round %d: receiving client %d's update (%d bytes)", rnd.number, client_id, meta.total_bytes)
-        update = receive_update(meta, chunks, max_bytes=2 * len(rnd.payload) + (1 << 20), template=self.state.template,
+        update = receive_update(meta, chunks, max_bytes=2 * rnd.payload.meta.total_bytes + (1 << 20), template=self.state.template,
                                 client_id=client_id)
         labels = self._pseudo_labels(client_id, update.state) if self.sdafl is not None else None
         with self.lock:
             if self.driver.current is not rnd or client_id not in rnd.pending:
                 raise StateError(f"round {rnd.number} closed before client {client_id}'s update was complete")
             started = time.monotonic()
-            rnd.aggregator.add(update.state, update.extra, float(record.num_samples))
+            rnd.aggregator.add(update.state, update.extra, float(record.num_samples), layout_checked=True)
             if self.fedgen is not None:
                 self.fedgen.keep_head(rnd.number, client_id, update.state)
             rnd.aggregation_s += time.monotonic() - started

@@ -33,7 +33,9 @@ from fedsynth.allocation import assigned_quota
 from fedsynth.config import RunConfig
 from fedsynth.errors import QuorumError
 from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_INTERNAL, EXIT_OK
+from fedsynth.tensor_buffer import encode_to_buffer
 from fedsynth.training import TrainData, evaluate
+from fedsynth.transfer import PreparedPayload, prepare
 
 log = logging.getLogger(__name__)
 
@@ -162,17 +164,17 @@ class RoundDriver:
         if (self.sdafl is not None or self.mean_pool is not None) and record is not None and not record.has_synthetic:
             if rnd.payload_with_images is None:
                 rnd.payload_with_images = self._task_payload(rnd.global_state, with_images=True)
-            payload = rnd.payload_with_images
-            return TaskDelivery(rnd.task_id, rnd.number, rnd.deadline_s, quota, payload, codec.describe(payload))
-        return TaskDelivery(rnd.task_id, rnd.number, rnd.deadline_s, quota, rnd.payload, rnd.meta)
+            return TaskDelivery(rnd.task_id, rnd.number, rnd.deadline_s, quota, rnd.payload_with_images)
+        return TaskDelivery(rnd.task_id, rnd.number, rnd.deadline_s, quota, rnd.payload)
 
-    def _task_payload(self, global_state: dict[str, torch.Tensor], *, with_images: bool) -> bytes:
+    def _task_payload(self, global_state: dict[str, torch.Tensor], *, with_images: bool) -> PreparedPayload:
+        """Encoded, hashed and cut into chunk messages once per round (and kind of task), whoever receives it."""
         groups = {"model": global_state, "extra": self.algorithm.server_extra(self.state.server_state)}
         if self.sdafl is not None:
             groups["synthetic"] = self.sdafl.task_groups(with_images=with_images)
         if self.mean_pool is not None:
             groups["mean"] = self.mean_pool.task_group(with_data=with_images)
-        return codec.encode(codec.join_prefixed(**groups))
+        return prepare(encode_to_buffer(codec.join_prefixed(**groups)))
 
     def _play_round(self, number: int) -> None:
         state = self.state
@@ -186,7 +188,6 @@ class RoundDriver:
             task_id=secrets.token_hex(8),
             sampled=sampled,
             payload=payload,
-            meta=codec.describe(payload),
             aggregator=self.algorithm.new_aggregator(global_state, state.server_state),
             deadline_s=self.cfg.runtime.round_timeout_s,
             need=quorum_size(m, self.cfg.runtime.quorum),

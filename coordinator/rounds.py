@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fedsynth.algorithms.base import Aggregator
-from fedsynth.codec import PayloadMeta
+from fedsynth.transfer import PreparedPayload
 
 
 @dataclass
@@ -17,8 +17,7 @@ class RoundInProgress:
     number: int
     task_id: str
     sampled: list[int]
-    payload: bytes
-    meta: PayloadMeta
+    payload: PreparedPayload
     aggregator: Aggregator
     deadline_s: float
     need: int
@@ -29,7 +28,7 @@ class RoundInProgress:
     bytes_received: int = 0
     bytes_sent: int = 0
     global_state: dict[str, torch.Tensor] = field(default_factory=dict)
-    payload_with_images: bytes | None = None  # SDA-FL: the task for clients that lack the shared images
+    payload_with_images: PreparedPayload | None = None  # SDA-FL: the task for clients that lack the shared images
 
     @property
     def pending(self) -> set[int]:

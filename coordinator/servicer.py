@@ -12,7 +12,6 @@ import grpc
 
 from coordinator.dispatch import Finished, TaskDelivery
 from coordinator.federation import Federation
-from fedsynth import codec
 from fedsynth.errors import StateError, WireError
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
@@ -38,12 +37,11 @@ def _payload_fields(header: Any) -> dict[str, Any]:
     return {"total_bytes": header.payload.total_bytes, "sha256": header.payload.sha256, "num_chunks": header.payload.num_chunks}
 
 
-def _task_messages(item: TaskDelivery) -> Iterator[pb.ServerMessage]:
+def _task_messages(item: TaskDelivery) -> Iterator[pb.ServerMessage | bytes]:
     meta = pb.Payload(total_bytes=item.meta.total_bytes, sha256=item.meta.sha256, num_chunks=item.meta.num_chunks)
     task = pb.Task(round=item.round, task_id=item.task_id, deadline_s=item.deadline_s, generation_quota=item.quota, payload=meta)
     yield pb.ServerMessage(task=task)
-    for seq, data in codec.split(item.payload):
-        yield pb.ServerMessage(chunk=pb.Chunk(seq=seq, data=data))
+    yield from item.payload.messages  # serialized once per round; the stream's serializer passes bytes through
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):

@@ -3,7 +3,8 @@
 grpcio answers a request that its deserializer cannot parse with INTERNAL ("Exception deserializing
 request!") before any servicer code runs. `add_strictly` registers a generated servicer with
 deserializers that never raise: a malformed message reaches a thin wrapper, which aborts the call
-with INVALID_ARGUMENT and a message naming the type and the parse error.
+with INVALID_ARGUMENT and a message naming the type and the parse error. On the way out, a servicer may yield
+messages it serialized beforehand (bytes; fedsynth.raw_messages): they are sent as they are.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
+
+from fedsynth.raw_messages import passthrough
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,9 @@ def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
             if isinstance(request, _Malformed):
                 _reject(context, request)
             return behavior(request, context)
-    return handler._replace(request_deserializer=_tolerant(handler.request_deserializer), **{kind: wrapped})
+    serializer = handler.response_serializer
+    return handler._replace(request_deserializer=_tolerant(handler.request_deserializer),
+                            response_serializer=serializer and passthrough(serializer), **{kind: wrapped})
 
 
 class _Registrar:

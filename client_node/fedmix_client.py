@@ -62,4 +62,4 @@ def pool_from_group(group: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch
         raise WireError(f"pooled mean data of {images.dtype} {tuple(images.shape)} and {labels.dtype} {tuple(labels.shape)}")
     # The same affine map as fedsynth.training.images_to_tensor: the mean of scaled images is the scaled mean.
     x = images.permute(0, 3, 1, 2).contiguous().div(127.5).sub(1.0)
-    return x, labels, bytes(digest.tolist()).hex()
+    return x, labels.clone(), bytes(digest.tolist()).hex()  # kept all run: not a view of the task's buffer

@@ -19,13 +19,15 @@ from client_node.metrics import ClientMetrics
 from client_node.sdafl_client import ensure_samples, upload
 from client_node.synthesis import SyntheticSet, fedeas_total, synthesize
 from fedsynth import codec, grpcutil
-from fedsynth.algorithms.base import snapshot_state
 from fedsynth.assembly import algorithm_for, client_seed, client_shard, local_train_config, round_generator
 from fedsynth.config import RunConfig, from_json
 from fedsynth.errors import FedsynthError, StopRequested, WireError
 from fedsynth.models import build_model
+from fedsynth.raw_messages import submit_update_call
 from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_OK
+from fedsynth.tensor_buffer import decode_views, encode_to_buffer
 from fedsynth.training import TrainData, images_to_tensor
+from fedsynth.transfer import chunk_messages, describe_buffer, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -84,6 +86,7 @@ class LogicalClient:
     def run(self) -> int:
         channel = grpcutil.make_channel(self.options.coordinator, self.options.credentials)
         stub = pb_grpc.CoordinatorStub(channel)
+        self._submit_update = submit_update_call(channel)  # sends chunk messages serialized by hand, as they are
         lost_since: float | None = None
         try:
             while not self.stop.is_set():
@@ -197,16 +200,17 @@ class LogicalClient:
                 yield message.chunk.seq, message.chunk.data
 
         meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
-        data = codec.assemble(meta, chunks())
-        self.metrics.bytes_received.inc(len(data))
-        return codec.split_prefixed(codec.decode(data))
+        buffer = receive_into(meta, chunks())
+        self.metrics.bytes_received.inc(buffer.numel())
+        return codec.split_prefixed(decode_views(buffer))
 
     def _do_task(self, stub: pb_grpc.CoordinatorStub, session: str, task: pb.Task, stream: Iterator[pb.ServerMessage]) -> None:
         assert self.state is not None
         cfg = self.state.cfg
         groups = self._receive_payload(task, stream)
         global_state = groups.get("model", {})
-        codec.check_like(global_state, snapshot_state(self.model), what="global model from the coordinator")
+        layout = {key: value.to("meta") for key, value in self.model.state_dict().items()}
+        codec.check_like(global_state, layout, what="global model from the coordinator")
         self.model.load_state_dict(global_state)
 
         generation_report = None
@@ -243,8 +247,8 @@ class LogicalClient:
         self.metrics.train_seconds.observe(train_seconds)
         self.metrics.samples_per_second.set(update.num_steps * cfg.train.batch_size / max(train_seconds, 1e-9))
 
-        payload = codec.encode(codec.join_prefixed(model=update.state, extra=update.extra))
-        meta = codec.describe(payload)
+        payload = encode_to_buffer(codec.join_prefixed(model=update.state, extra=update.extra))
+        meta = describe_buffer(payload)
         header = pb.UpdateHeader(
             client_id=self.client_id,
             session=session,
@@ -258,21 +262,19 @@ class LogicalClient:
             generation=generation_report,
         )
 
-        def messages() -> Iterator[pb.UpdateChunk]:
+        def messages() -> Iterator[pb.UpdateChunk | bytes]:
             yield pb.UpdateChunk(header=header)
-            for seq, data in codec.split(payload):
-                yield pb.UpdateChunk(chunk=pb.Chunk(seq=seq, data=data))
+            yield from chunk_messages(payload)
 
         log.info("client %d: uploading round %d (%d bytes)", self.client_id, task.round, meta.total_bytes)
         grpcutil.call_with_retry(
-            lambda: stub.SubmitUpdate(messages(), timeout=max(RPC_TIMEOUT_S, task.deadline_s)),
+            lambda: self._submit_update(messages(), timeout=max(RPC_TIMEOUT_S, task.deadline_s)),
             deadline_s=max(RPC_TIMEOUT_S, task.deadline_s),
             what=f"client {self.client_id} submit",
         )
-        self.metrics.bytes_sent.inc(len(payload))
+        self.metrics.bytes_sent.inc(meta.total_bytes)
         self.metrics.rounds.inc()
         log.info("client %d: round %d done (%.1fs training, loss %.4f)", self.client_id, task.round, train_seconds, update.train_loss)
-
 
     def _shared_synthetic(self, group: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """SDA-FL: keep the shared images (sent once), apply this round's labels; labelled samples only."""
@@ -280,7 +282,7 @@ class LogicalClient:
             return {}
         assert self.state is not None
         if "images" in group:
-            self.state.shared_images = group["images"].numpy()
+            self.state.shared_images = group["images"].numpy().copy()  # kept all run: not a view of this task's buffer
             self.state.shared_digest = bytes(group["digest"].tolist()).hex()
         if self.state.shared_images is None:
             raise WireError("the task carries synthetic labels but this client never received the synthetic images")

@@ -23,10 +23,11 @@ from fedsynth import grpcutil, tls
 from fedsynth.config import RunConfig, load_config
 from fedsynth.generator_names import (
     DEVICE_SECONDS_TOTAL,
+    FILTER_ACCEPTED_TOTAL,
     FILTER_CANDIDATES_TOTAL,
     FILTER_JUDGE_SECONDS_TOTAL,
     FILTER_MIN_CONFIDENCE,
-    FILTER_REJECTED_DEVICE_SECONDS_TOTAL,
+    FILTER_UNSERVED_DEVICE_SECONDS_TOTAL,
     FILTER_REJECTED_TOTAL,
     IMAGES_TOTAL,
     INFO,
@@ -236,23 +237,26 @@ class Launcher:
 
 
 def filter_counters(values: dict[str, float]) -> dict[str, Any]:
-    """The quality filter's threshold and cost (absent when it was off): candidates drawn, accepted and rejected,
-    rejected per class, the sampling time of rejected candidates and the judge's time (both inside device_seconds)."""
+    """The quality filter's threshold and cost (absent when it was off): candidates drawn, accepted, rejected and
+    spare, rejected per class, the acceptance rate (accepted / judged), the sampling time of the candidates not served
+    and the judge's time (both inside device_seconds)."""
     min_confidence = total(values, FILTER_MIN_CONFIDENCE)
     if not min_confidence:
         return {}
     candidates = int(total(values, FILTER_CANDIDATES_TOTAL))
+    accepted = int(total(values, FILTER_ACCEPTED_TOTAL))
     rejected = int(total(values, FILTER_REJECTED_TOTAL))
     per_class = {dict(re.findall(r'(\w+)="([^"]*)"', key)).get("class_id", ""): int(value) for key, value in values.items()
                  if key.startswith(FILTER_REJECTED_TOTAL + "{")}
     return {
         "min_confidence": min_confidence,
         "candidates_total": candidates,
-        "accepted_total": candidates - rejected,
+        "accepted_total": accepted,
         "rejected_total": rejected,
+        "spare_total": candidates - accepted - rejected,
         "rejected_per_class": dict(sorted(per_class.items(), key=lambda item: int(item[0] or 0))),
-        "acceptance_rate": (candidates - rejected) / candidates if candidates else None,
-        "rejected_device_seconds": total(values, FILTER_REJECTED_DEVICE_SECONDS_TOTAL),
+        "acceptance_rate": accepted / (accepted + rejected) if accepted + rejected else None,
+        "unserved_device_seconds": total(values, FILTER_UNSERVED_DEVICE_SECONDS_TOTAL),
         "judge_seconds": total(values, FILTER_JUDGE_SECONDS_TOTAL),
     }
 

@@ -84,8 +84,8 @@ def quality_filter(generator_counters: dict[str, Any] | None) -> dict[str, Any] 
     counters = generator_counters or {}
     if not counters.get("min_confidence"):
         return None
-    keys = ("min_confidence", "candidates_total", "accepted_total", "rejected_total", "rejected_per_class",
-            "acceptance_rate", "rejected_device_seconds", "judge_seconds")
+    keys = ("min_confidence", "candidates_total", "accepted_total", "rejected_total", "spare_total", "rejected_per_class",
+            "acceptance_rate", "unserved_device_seconds", "judge_seconds")
     return {key: counters.get(key) for key in keys}
 
 

@@ -258,10 +258,11 @@ def _quality_filter_rows(filtered: dict[str, Any] | None) -> list[str]:
         return []
     rate = filtered.get("acceptance_rate")
     return [
-        f"| quality filter (min_confidence {filtered['min_confidence']:g}) | {filtered.get('accepted_total', 0):,} of "
-        f"{filtered.get('candidates_total', 0):,} candidates accepted ({'n/a' if rate is None else f'{rate:.1%}'}) |",
+        f"| quality filter (min_confidence {filtered['min_confidence']:g}) | {filtered.get('accepted_total', 0):,} "
+        f"accepted, {filtered.get('rejected_total', 0):,} rejected (acceptance {'n/a' if rate is None else f'{rate:.1%}'}), "
+        f"{filtered.get('candidates_total', 0):,} candidates drawn |",
         f"| rejected images per class | {', '.join(f'{c}: {n}' for c, n in (filtered.get('rejected_per_class') or {}).items())} |",
-        f"| device-seconds on rejected candidates / judging | {filtered.get('rejected_device_seconds', 0.0):.2f} / "
+        f"| device-seconds on unserved candidates / judging | {filtered.get('unserved_device_seconds', 0.0):.2f} / "
         f"{filtered.get('judge_seconds', 0.0):.2f} |",
     ]
 

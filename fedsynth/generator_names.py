@@ -16,6 +16,6 @@ FILTER_MIN_CONFIDENCE = "fedsynth_generator_filter_min_confidence"  # gauge: 0 =
 FILTER_CANDIDATES_TOTAL = "fedsynth_generator_filter_candidates_total"
 FILTER_ACCEPTED_TOTAL = "fedsynth_generator_filter_accepted_total"
 FILTER_REJECTED_TOTAL = "fedsynth_generator_filter_rejected_total"
-FILTER_REJECTED_DEVICE_SECONDS_TOTAL = "fedsynth_generator_filter_rejected_device_seconds_total"
+FILTER_UNSERVED_DEVICE_SECONDS_TOTAL = "fedsynth_generator_filter_unserved_device_seconds_total"
 FILTER_JUDGE_SECONDS_TOTAL = "fedsynth_generator_filter_judge_seconds_total"
 INFO = "fedsynth_generator_info"  # labels: backend, size, model_id, device, dtype

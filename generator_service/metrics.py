@@ -10,7 +10,7 @@ from fedsynth.generator_names import (
     FILTER_CANDIDATES_TOTAL,
     FILTER_JUDGE_SECONDS_TOTAL,
     FILTER_MIN_CONFIDENCE,
-    FILTER_REJECTED_DEVICE_SECONDS_TOTAL,
+    FILTER_UNSERVED_DEVICE_SECONDS_TOTAL,
     FILTER_REJECTED_TOTAL,
     IMAGES_TOTAL,
     INFO,
@@ -44,14 +44,16 @@ class GeneratorMetrics:
         self.device_seconds = Counter(DEVICE_SECONDS_TOTAL, "Time spent sampling on the device (with the quality "
                                       "filter: every candidate, rejected ones too, and the judge)", registry=r)
         self.filter_min_confidence = Gauge(FILTER_MIN_CONFIDENCE, "The quality filter's threshold; 0 = off", registry=r)
-        self.filter_candidates = Counter(FILTER_CANDIDATES_TOTAL, "Candidates the quality filter drew, by class",
+        self.filter_candidates = Counter(FILTER_CANDIDATES_TOTAL, "Candidates the quality filter drew (accepted + rejected "
+                                         "+ spare), by class",
                                          ["class_id"], registry=r)
         self.filter_accepted = Counter(FILTER_ACCEPTED_TOTAL, "Candidates the judge accepted, by class",
                                        ["class_id"], registry=r)
         self.filter_rejected = Counter(FILTER_REJECTED_TOTAL, "Candidates the judge rejected, by class",
                                        ["class_id"], registry=r)
-        self.filter_rejected_device_seconds = Counter(FILTER_REJECTED_DEVICE_SECONDS_TOTAL,
-                                                      "Sampling time spent on rejected candidates", registry=r)
+        self.filter_unserved_device_seconds = Counter(FILTER_UNSERVED_DEVICE_SECONDS_TOTAL,
+                                                      "Sampling time of candidates not served (rejected, or drawn "
+                                                      "in spare rows and not needed)", registry=r)
         self.filter_judge_seconds = Counter(FILTER_JUDGE_SECONDS_TOTAL, "Time the judge spent scoring candidates",
                                             registry=r)
         self.queued_images = Gauge("fedsynth_generator_queued_images", "Images waiting to be sampled", registry=r)

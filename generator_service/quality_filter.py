@@ -90,68 +90,88 @@ class QualityFilter:
     def sample(self, keys: Sequence[ImageKey]) -> np.ndarray:
         channels, height, width = self._description.image_shape
         images = np.zeros((len(keys), height, width, channels), dtype=np.uint8)
-        attempt = [0] * len(keys)
+        attempt = [0] * len(keys)  # a row's candidates before this one were all rejected
         wanted = Counter(key.class_id for key in keys)
         budget = {c: CANDIDATES_PER_IMAGE * n + CANDIDATE_SLACK for c, n in wanted.items()}
         drawn: Counter[int] = Counter()
+        judged: Counter[int] = Counter()
         accepted: Counter[int] = Counter()
         pending, failed = list(range(len(keys))), set()
         while pending:
             failed |= {row for row in pending if drawn[keys[row].class_id] >= budget[keys[row].class_id]}
             pending = [row for row in pending if row not in failed]
-            rows = self._next_rows(keys, pending, {c: budget[c] - drawn[c] for c in budget})
-            if not rows:
+            plan = self._plan(keys, pending, attempt, {c: budget[c] - drawn[c] for c in budget})
+            if not plan:
                 break
-            candidates = [ImageKey(keys[r].seed, keys[r].class_id, keys[r].index + attempt[r] * CANDIDATE_STRIDE)
-                          for r in rows]
+            candidates = [ImageKey(keys[r].seed, keys[r].class_id, keys[r].index + a * CANDIDATE_STRIDE) for r, a in plan]
             classes = np.array([key.class_id for key in candidates], dtype=np.int64)
             started = time.perf_counter()
             drawn_images = self.inner.sample(candidates)
             sampled = time.perf_counter()
-            keep = self.scorer.confidence(drawn_images, classes) >= self.min_confidence
-            self._count(classes, keep, sample_s=sampled - started, judge_s=time.perf_counter() - sampled)
-            for row, image, ok in zip(rows, drawn_images, keep):
-                drawn[keys[row].class_id] += 1
+            passed = self.scorer.confidence(drawn_images, classes) >= self.min_confidence
+            outcome = []  # per candidate: "accepted", "rejected", or "spare" (its row took an earlier candidate)
+            for (row, a), image, ok in zip(plan, drawn_images, passed):
+                c = keys[row].class_id
+                drawn[c] += 1
+                if a != attempt[row]:  # an earlier candidate of this row was accepted in this round
+                    outcome.append("spare")
+                    continue
+                judged[c] += 1
                 if ok:
                     images[row] = image
-                    accepted[keys[row].class_id] += 1
+                    accepted[c] += 1
+                    attempt[row] = -1  # served
+                    outcome.append("accepted")
                 else:
                     attempt[row] += 1
-            done = {row for row, ok in zip(rows, keep) if ok}
-            pending = [row for row in pending if row not in done]
+                    outcome.append("rejected")
+            self._count(classes, outcome, sample_s=sampled - started, judge_s=time.perf_counter() - sampled)
+            pending = [row for row in pending if attempt[row] >= 0]
         if failed:
-            raise PartlyUnservable(self._shortfall(keys, failed, wanted, drawn, accepted), images, frozenset(failed))
+            raise PartlyUnservable(self._shortfall(keys, failed, wanted, judged, accepted), images, frozenset(failed))
         return images
 
-    def _next_rows(self, keys: Sequence[ImageKey], pending: list[int], left: dict[int, int]) -> list[int]:
-        """Up to max_batch pending rows, in order, none past its class's budget."""
-        rows = []
+    def _plan(self, keys: Sequence[ImageKey], pending: list[int], attempt: list[int],
+              left: dict[int, int]) -> list[tuple[int, int]]:
+        """(row, candidate) pairs for one call of the backend: each pending row's next candidate, in row order, up to
+        max_batch; then, since padded backends (ddpm, text2image) and the judge cost the same for fewer rows, the
+        spare rows go to the following candidates of the same rows, round-robin. No class passes its budget."""
+        plan: list[tuple[int, int]] = []
+        rows: list[int] = []
         for row in pending:
-            if len(rows) == self.max_batch:
+            if len(plan) == self.max_batch:
                 break
             if left[keys[row].class_id] > 0:
                 left[keys[row].class_id] -= 1
+                plan.append((row, attempt[row]))
                 rows.append(row)
-        return rows
+        ahead = 1
+        while len(plan) < self.max_batch and any(left[keys[row].class_id] > 0 for row in rows):
+            for row in rows:
+                if len(plan) < self.max_batch and left[keys[row].class_id] > 0:
+                    left[keys[row].class_id] -= 1
+                    plan.append((row, attempt[row] + ahead))
+            ahead += 1
+        return plan
 
-    def _count(self, classes: np.ndarray, keep: np.ndarray, *, sample_s: float, judge_s: float) -> None:
+    def _count(self, classes: np.ndarray, outcome: list[str], *, sample_s: float, judge_s: float) -> None:
         if self._metrics is None:
             return
         m = self._metrics
-        for class_id, n in zip(*np.unique(classes, return_counts=True)):
-            kept = int(keep[classes == class_id].sum())
-            m.filter_candidates.labels(str(class_id)).inc(int(n))
-            m.filter_accepted.labels(str(class_id)).inc(kept)
-            m.filter_rejected.labels(str(class_id)).inc(int(n) - kept)
+        for class_id in np.unique(classes):
+            mine = [o for c, o in zip(classes, outcome) if c == class_id]
+            m.filter_candidates.labels(str(class_id)).inc(len(mine))
+            m.filter_accepted.labels(str(class_id)).inc(mine.count("accepted"))
+            m.filter_rejected.labels(str(class_id)).inc(mine.count("rejected"))
         m.filter_judge_seconds.inc(judge_s)
-        m.filter_rejected_device_seconds.inc(sample_s * float((~keep).sum()) / len(keep))
+        m.filter_unserved_device_seconds.inc(sample_s * (1.0 - outcome.count("accepted") / len(outcome)))
 
-    def _shortfall(self, keys: Sequence[ImageKey], failed: set[int], wanted: Counter[int], drawn: Counter[int],
+    def _shortfall(self, keys: Sequence[ImageKey], failed: set[int], wanted: Counter[int], judged: Counter[int],
                    accepted: Counter[int]) -> str:
         parts = []
         for c in sorted({keys[row].class_id for row in failed}):
-            rate = accepted[c] / drawn[c] if drawn[c] else 0.0
-            parts.append(f"class {c}: the judge accepted {accepted[c]} of {drawn[c]} candidates (acceptance rate "
+            rate = accepted[c] / judged[c] if judged[c] else 0.0
+            parts.append(f"class {c}: the judge accepted {accepted[c]} of {judged[c]} candidates (acceptance rate "
                          f"{rate:.2%}) for {wanted[c]} images")
         return (f"quality filter at min_confidence {self.min_confidence:g}: {'; '.join(parts)}; a class may use "
                 f"{CANDIDATES_PER_IMAGE} candidates per image (+{CANDIDATE_SLACK}) in a sampling batch. Lower "
@@ -159,11 +179,13 @@ class QualityFilter:
 
 
 def load_quality_filter(inner: GeneratorBackend, *, min_confidence: float, max_batch: int, data_dir: Path | None,
-                        judge_cache: Path | None, metrics: GeneratorMetrics | None = None) -> QualityFilter:
+                        judge_cache: Path | None, threads: int = 0, metrics: GeneratorMetrics | None = None) -> QualityFilter:
     """Wrap `inner` with the judge of its dataset (`fedsynth generator evaluate`'s, seed 0, default recipe): loaded
     from the judge cache, or trained on the dataset's real training split and cached there when absent."""
     from generator_service.evaluation.judge import load_or_train_judge
 
+    if threads:  # the holdout backend sets none; torch's default oversubscribes a crowded CPU (10x slower measured)
+        torch.set_num_threads(threads)
     served = inner.description
     if served.dataset not in DATASETS:
         raise ConfigError(f"--min-confidence needs a judge of the generator's dataset, but the backend names "

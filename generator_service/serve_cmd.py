@@ -150,7 +150,8 @@ class GeneratorServer:
         if self.config.min_confidence > 0:
             backend = load_quality_filter(backend, min_confidence=self.config.min_confidence,
                                           max_batch=self.config.max_batch, data_dir=self.config.data_dir,
-                                          judge_cache=self.config.judge_cache, metrics=self.metrics)
+                                          judge_cache=self.config.judge_cache, threads=self.config.threads,
+                                          metrics=self.metrics)
         self.metrics.filter_min_confidence.set(self.config.min_confidence)
         served = backend.description
         self.batcher = Batcher(backend.sample, max_batch=self.config.max_batch,

@@ -24,6 +24,7 @@ from fedsynth.v1 import generator_pb2, generator_pb2_grpc
 from generator_service import serve_cmd
 from generator_service.backends import BackendDescription, PartlyUnservable
 from generator_service.ddpm.sampling import ImageKey
+from generator_service.metrics import GeneratorMetrics
 from generator_service.quality_filter import CANDIDATE_SLACK, CANDIDATES_PER_IMAGE, QualityFilter
 from generator_service.serve_cmd import GeneratorServer, ServeConfig
 
@@ -56,10 +57,21 @@ class PixelScorer:
         return np.where(classes == 2, 0.0, images[:, 0, 0, 0] / 255.0)
 
 
-def _filter(min_confidence: float, max_batch: int = 8) -> tuple[QualityFilter, NoiseBackend]:
+def _filter(min_confidence: float, max_batch: int = 8,
+            metrics: GeneratorMetrics | None = None) -> tuple[QualityFilter, NoiseBackend]:
     inner = NoiseBackend()
     return QualityFilter(inner, PixelScorer(), min_confidence=min_confidence, max_batch=max_batch,  # type: ignore[arg-type]
-                         judge_id="test"), inner
+                         judge_id="test", metrics=metrics), inner
+
+
+def _first_accepted(key: ImageKey, min_confidence: float) -> bytes:
+    """The contract, written out: the first candidate j + a * 2^32 the (stand-in) judge accepts."""
+    backend = NoiseBackend()
+    for a in range(1000):
+        image = backend.sample([ImageKey(key.seed, key.class_id, key.index + a * 2**32)])
+        if PixelScorer().confidence(image, np.array([key.class_id]))[0] >= min_confidence:
+            return image.tobytes()
+    raise AssertionError(key)
 
 
 def _keys(counts: list[int], seed: int = 5, offset: int = 0) -> list[ImageKey]:
@@ -86,8 +98,21 @@ def test_the_same_bytes_however_the_images_are_batched() -> None:
     shuffled = np.random.default_rng(0).permutation(len(keys))
     alone = small.sample([keys[i] for i in shuffled])
     assert whole.tobytes() == pieces.tobytes() == alone[np.argsort(shuffled)].tobytes()
+    assert whole.tobytes() == b"".join(_first_accepted(key, 0.7) for key in keys)
     offsets = small.sample(_keys([0, 3], offset=4))  # offsets resume the same images
     assert offsets.tobytes() == whole[13:16].tobytes()
+
+
+def test_spare_rows_draw_the_next_candidates_and_every_candidate_is_counted() -> None:
+    metrics = GeneratorMetrics(CollectorRegistry())
+    filtered, inner = _filter(0.9, max_batch=16, metrics=metrics)
+    filtered.sample(_keys([4]))  # one call of 16 rows: 4 first candidates, then 3 more of each image
+    value = metrics.registry.get_sample_value
+    candidates, accepted, rejected = (value(f"fedsynth_generator_filter_{name}_total", {"class_id": "0"})
+                                      for name in ("candidates", "accepted", "rejected"))
+    assert accepted == 4 and candidates == len(inner.drawn) and len(inner.drawn) % 16 == 0
+    assert candidates > accepted + rejected  # the spare ones: drawn after their image's candidate was accepted
+    assert 0 < (value("fedsynth_generator_filter_unserved_device_seconds_total") or 0.0)
 
 
 def test_an_impossible_class_fails_alone_within_its_budget_naming_class_threshold_and_rate() -> None:
@@ -162,11 +187,11 @@ def test_exact_counts_the_same_bytes_in_other_batches_and_the_cost_reported(
     per_class = [(metrics.get_sample_value(f"fedsynth_generator_filter_{name}_total", {"class_id": str(c)}) or 0.0)
                  for name in ("candidates", "accepted", "rejected") for c in range(10)]
     candidates, accepted, rejected = per_class[:10], per_class[10:20], per_class[20:]
-    assert accepted == [30.0] * 10 and [a + r for a, r in zip(accepted, rejected)] == candidates
+    assert accepted == [30.0] * 10 and all(a + r <= c for a, r, c in zip(accepted, rejected, candidates))
     assert sum(rejected) > 0  # some real digits are judged below 0.9
     assert metrics.get_sample_value("fedsynth_generator_filter_min_confidence") == 0.9
     device = metrics.get_sample_value("fedsynth_generator_device_seconds_total") or 0.0
-    assert 0 < (metrics.get_sample_value("fedsynth_generator_filter_rejected_device_seconds_total") or 0.0) < device
+    assert 0 < (metrics.get_sample_value("fedsynth_generator_filter_unserved_device_seconds_total") or 0.0) < device
 
     (tmp_path / "generator.metrics-port").write_text(f"{server.metrics_port}\n")  # what the launcher reads
     cfg = load_config(None, ["generation.backend=holdout", "data.holdout_fraction=0.2", "generation.min_confidence=0.9"])
@@ -175,11 +200,11 @@ def test_exact_counts_the_same_bytes_in_other_batches_and_the_cost_reported(
     counters = launcher.generator_counters()
     report = quality_filter(counters)
     assert report is not None and report["min_confidence"] == 0.9
-    assert (report["candidates_total"], report["accepted_total"], report["rejected_total"]) == (
-        sum(candidates), 300, sum(rejected))
+    assert (report["candidates_total"], report["accepted_total"], report["rejected_total"], report["spare_total"]) == (
+        sum(candidates), 300, sum(rejected), sum(candidates) - 300 - sum(rejected))
     assert report["rejected_per_class"] == {str(c): int(r) for c, r in enumerate(rejected)}
-    assert report["acceptance_rate"] == pytest.approx(300 / sum(candidates))
-    assert 0 < report["rejected_device_seconds"] < counters["device_seconds"]  # type: ignore[index]
+    assert report["acceptance_rate"] == pytest.approx(300 / (300 + sum(rejected)))
+    assert 0 < report["unserved_device_seconds"] < counters["device_seconds"]  # type: ignore[index]
 
 
 def test_an_impossible_threshold_fails_the_request_in_one_clear_status(

@@ -35,7 +35,7 @@ from fedsynth.config import RunConfig
 from fedsynth.data import load_dataset
 from fedsynth.errors import StateError
 from fedsynth.models import build_model
-from fedsynth.training import TrainData, evaluate, images_to_tensor
+from fedsynth.training import TrainData, images_to_tensor
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +69,7 @@ class Federation:
         self.started = time.time()
         if self.mean_pool is not None:
             self.mean_pool.load(out_dir)
-        if not self.state.resume(out_dir, self.sdafl):
-            loss, acc = evaluate(model, test_data, cfg.train.eval_batch_size)
-            self.state.initial = {"accuracy": acc, "loss": loss}
+        self.state.resume(out_dir, self.sdafl)  # a fresh run's initial model is evaluated by the round loop
 
     @property
     def completed(self) -> int:

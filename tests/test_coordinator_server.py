@@ -27,7 +27,8 @@ def test_create_server_serves_health_and_the_run_spec(tmp_path: Path) -> None:
         assert spec.run_id == cfg.fingerprint() == coordinator.federation.run_id
         assert spec.num_clients == 3
         assert from_json(spec.config_json) == cfg
-        assert coordinator.federation.completed == 0 and coordinator.federation.initial["accuracy"] > 0
+        # the initial model is evaluated by the round loop, after the server binds (minutes for ResNet-18 on a CPU)
+        assert coordinator.federation.completed == 0 and coordinator.federation.initial == {}
     finally:
         coordinator.stop(grace_s=0.5)
     with channel(f"127.0.0.1:{port}") as ch:  # stopped: nothing answers on that port any more

@@ -33,13 +33,14 @@ CANDIDATE_STRIDE = 1 << 32  # requested indices stay below 2^32, so no candidate
 CANDIDATES_PER_IMAGE = 20  # a class gets up to 20 candidates per image in a sampling batch ...
 CANDIDATE_SLACK = 200  # ... plus 200, so that a batch holding a few images of a class is not failed by bad luck
 JUDGE_SEED = 0  # `fedsynth generator evaluate`'s default --seed: the same cached judge
+JUDGE_ROWS = 64  # fixed whatever --max-batch, so that servers with other batch sizes judge alike
 
 
 class JudgeScorer:
     """The judge's probability for the requested class. It always scores `rows` rows (zero padding), because CPU
     kernels give slightly different floats for different batch sizes while a row never depends on its neighbours."""
 
-    def __init__(self, model: nn.Module, rows: int) -> None:
+    def __init__(self, model: nn.Module, rows: int = JUDGE_ROWS) -> None:
         self.model = model.eval()
         self.rows = rows
 
@@ -134,7 +135,7 @@ class QualityFilter:
     def _plan(self, keys: Sequence[ImageKey], pending: list[int], attempt: list[int],
               left: dict[int, int]) -> list[tuple[int, int]]:
         """(row, candidate) pairs for one call of the backend: each pending row's next candidate, in row order, up to
-        max_batch; then, since padded backends (ddpm, text2image) and the judge cost the same for fewer rows, the
+        max_batch; then, since padded backends (ddpm, text2image) cost the same for fewer rows, the
         spare rows go to the following candidates of the same rows, round-robin. No class passes its budget."""
         plan: list[tuple[int, int]] = []
         rows: list[int] = []
@@ -201,5 +202,5 @@ def load_quality_filter(inner: GeneratorBackend, *, min_confidence: float, max_b
                           f"of {'x'.join(map(str, served.image_shape))}")
     log.info("quality filter: min_confidence %g, judge %s (test accuracy %.4f, %s)", min_confidence, judge.folder,
              judge.test_accuracy, "cached" if judge.cached else "trained now")
-    return QualityFilter(inner, JudgeScorer(judge.model, max_batch), min_confidence=min_confidence,
+    return QualityFilter(inner, JudgeScorer(judge.model), min_confidence=min_confidence,
                          max_batch=max_batch, judge_id=weights_digest(judge.model), metrics=metrics)

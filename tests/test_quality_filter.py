@@ -18,6 +18,7 @@ from deploy.processes import ProcessGroup
 from deploy.report import quality_filter
 from fedsynth import grpcutil
 from fedsynth.config import load_config
+from fedsynth.data import load_dataset
 from fedsynth.errors import ConfigError
 from fedsynth.generator_client import GeneratorInfo
 from fedsynth.v1 import generator_pb2, generator_pb2_grpc
@@ -25,7 +26,8 @@ from generator_service import serve_cmd
 from generator_service.backends import BackendDescription, PartlyUnservable
 from generator_service.ddpm.sampling import ImageKey
 from generator_service.metrics import GeneratorMetrics
-from generator_service.quality_filter import CANDIDATE_SLACK, CANDIDATES_PER_IMAGE, QualityFilter
+from generator_service.evaluation.judge import load_or_train_judge
+from generator_service.quality_filter import CANDIDATE_SLACK, CANDIDATES_PER_IMAGE, JudgeScorer, QualityFilter
 from generator_service.serve_cmd import GeneratorServer, ServeConfig
 
 HOLDOUT = {"backend": "holdout", "dataset": "digits", "holdout_fraction": 0.2, "seed": 0}
@@ -205,6 +207,18 @@ def test_exact_counts_the_same_bytes_in_other_batches_and_the_cost_reported(
     assert report["rejected_per_class"] == {str(c): int(r) for c, r in enumerate(rejected)}
     assert report["acceptance_rate"] == pytest.approx(300 / (300 + sum(rejected)))
     assert 0 < report["unserved_device_seconds"] < counters["device_seconds"]  # type: ignore[index]
+
+
+def test_the_judge_scores_an_image_alike_alone_and_among_others(
+        served: tuple[GeneratorServer, grpc.Channel], judges: Path) -> None:
+    judge = load_or_train_judge("digits", data_dir=None, seed=0, root=judges)  # cached by the served fixture
+    assert judge.cached
+    images = load_dataset("digits", "test").x[:150]
+    classes = np.arange(150) % 10
+    scorer = JudgeScorer(judge.model)
+    together = scorer.confidence(images, classes)  # three padded calls of 64 rows
+    alone = np.concatenate([scorer.confidence(images[i : i + 1], classes[i : i + 1]) for i in range(0, 150, 7)])
+    assert together[::7].tobytes() == alone.tobytes()
 
 
 def test_an_impossible_threshold_fails_the_request_in_one_clear_status(

@@ -67,6 +67,7 @@ class Launcher:
         self.group = ProcessGroup(out_dir / "logs")
         self.generation_setup_s = 0.0
         self.generator_metrics_file: Path | None = None
+        self.quality_s = 0.0  # scoring the generator after the run: not part of the run's wall-clock
         self._following = False
         self.failures: list[dict[str, object]] = []  # children that exited non-zero on their own, in that order
         # runtime.tls_dir: every role over mutual TLS, the launcher itself as `operator`; else plaintext on this machine.
@@ -212,6 +213,17 @@ class Launcher:
                 return
             time.sleep(0.5)
 
+    def generator_quality(self, address: str | None, counters: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The judge's figures for the generator this run started, once its counters are read (scoring draws images)."""
+        if address is None or counters is None or self.cfg.generation.evaluate_per_class == 0:
+            return None
+        from deploy.generator_quality import generator_quality
+
+        started = time.monotonic()
+        figures = generator_quality(self.cfg, address, counters, out_dir=self.out_dir, tls_flags=self.tls_flags)
+        self.quality_s = time.monotonic() - started
+        return figures
+
     def generator_counters(self) -> dict[str, Any] | None:
         """The generator's backend, model id and totals, read from its /metrics before it stops (None without one)."""
         if self.generator_metrics_file is None or not self.generator_metrics_file.is_file():
@@ -274,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _on_signal)
-    counters = None
+    counters = quality = None
     success = False
     try:
         generator = launcher.start_generator()
@@ -284,6 +296,7 @@ def run(args: argparse.Namespace) -> int:
         success = launcher.follow(coordinator)
         code = launcher.wait_for_exits(EXIT_TIMEOUT_S)
         counters = launcher.generator_counters()
+        quality = launcher.generator_quality(generator, counters) if success else None
     except KeyboardInterrupt:
         log.warning("interrupted: stopping every process (the checkpoint keeps completed rounds)")
         launcher.group.stop_all()
@@ -298,10 +311,11 @@ def run(args: argparse.Namespace) -> int:
     record = load_coordinator_record(out_dir)
     report = build_report(
         record,
-        wall_clock_s=time.monotonic() - started,
+        wall_clock_s=time.monotonic() - started - launcher.quality_s,
         processes=launcher.group.pids(),
         generation_wall_s=launcher.generation_setup_s,
         generator_counters=counters,
+        generator_quality=quality,
     )
     report["failures"] = launcher.failures
     report["exit_code"] = code if code else (0 if success else EXIT_ERROR)

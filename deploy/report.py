@@ -17,6 +17,7 @@ def build_report(
     processes: dict[str, int],
     generation_wall_s: float = 0.0,
     generator_counters: dict[str, Any] | None = None,
+    generator_quality: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """generation.device_seconds is the generator's own sampling time (its Prometheus counter), when it ran; with the
     quality filter it includes the rejected candidates, and generation.quality_filter says how many there were."""
@@ -65,6 +66,8 @@ def build_report(
             "cache_hits": sorted(cid for cid, g in per_client.items() if g.get("cache_hit")),
             "generator": generator_counters,
             "quality_filter": quality_filter(generator_counters),
+            # the judge's figures for this generator (deploy/generator_quality.py), or {"error": ...}; None: not scored
+            "quality": generator_quality,
             "backend": (generator_counters or {}).get("backend") or config.get("generation", {}).get("backend"),
             "policy": config.get("generation", {}).get("policy"),
         },

@@ -246,6 +246,7 @@ def _markdown(report: dict[str, Any], record: dict[str, Any], gen_rows: list[Cli
         *[f"| {g.client} | {g.images:,} | {g.device_seconds:.2f} | {g.wall_seconds:.2f} | {'yes' if g.cache_hit else 'no'} |" for g in gen_rows],
         "",
     ]
+    lines += _quality_section(report.get("generation", {}).get("quality"))
     lines += _sdafl_section(record)
     lines += ["## Plots", "", *[f"![{p.stem}]({PLOTS}/{p.name})" for p in plots], ""]
     lines += ["Processes: " + ", ".join(f"{role} (pid {pid})" for role, pid in report.get("processes", {}).items()), ""]
@@ -264,6 +265,33 @@ def _quality_filter_rows(filtered: dict[str, Any] | None) -> list[str]:
         f"| rejected images per class | {', '.join(f'{c}: {n}' for c, n in (filtered.get('rejected_per_class') or {}).items())} |",
         f"| device-seconds on unserved candidates / judging | {filtered.get('unserved_device_seconds', 0.0):.2f} / "
         f"{filtered.get('judge_seconds', 0.0):.2f} |",
+    ]
+
+
+def _quality_section(quality: dict[str, Any] | None) -> list[str]:
+    """The judge's figures for the generator (docs/generator.md, `fedsynth generator evaluate`)."""
+    if not quality:
+        return []
+    if quality.get("error"):
+        return ["## Generator quality", "", f"Not scored: {quality['error']}", ""]
+    per_class = ", ".join(f"{c}: {r:.2f}" for c, r in enumerate(quality.get("per_class_recognizability") or []))
+    return [
+        "## Generator quality",
+        "",
+        f"`{quality.get('backend')}` generator `{quality.get('model_id')}`, {quality.get('n_images')} images scored by a judge "
+        f"trained on the real training split{' (figures from the cache)' if quality.get('cached') else ''}.",
+        "",
+        "| quantity | value |",
+        "|---|---|",
+        f"| recognizability (judge's test accuracy; chance) | {_fmt(quality.get('recognizability'))} "
+        f"({_fmt(quality.get('judge_test_accuracy'))}; {_fmt(quality.get('chance'))}) |",
+        f"| classification accuracy score (CAS) | {_fmt(quality.get('cas'))} |",
+        f"| Fréchet distance in the judge's features (real test images) | {_fmt(quality.get('frechet'))} "
+        f"({_fmt(quality.get('real_test_frechet'))}) |",
+        f"| recognizability per class | {per_class} |",
+        "",
+        f"![generator grid]({PLOTS}/generator-grid.png)",
+        "",
     ]
 
 

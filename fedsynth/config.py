@@ -111,6 +111,9 @@ class GenerationConfig(Section):
     # The quality filter: the generator serves only images its judge assigns to their class with at least this
     # probability, drawing more until the counts are met (docs/generator.md); 0 = off.
     min_confidence: float = 0.0
+    # After a run, the launcher scores the generator it started with `fedsynth generator evaluate` on this many
+    # images per class (cached per generator; report.json's generation.quality); 0 skips it.
+    evaluate_per_class: int = 50
 
     def check(self) -> None:
         self.one_of("policy", POLICIES)
@@ -126,6 +129,9 @@ class GenerationConfig(Section):
         self.within("ddim_steps", 1, 1000)  # the generator's sampling limits (generator_service.ddpm.sampling)
         self.within("guidance", 0, 100)
         self.at_least(1, "train_steps")
+        self.at_least(0, "evaluate_per_class")
+        if self.evaluate_per_class == 1:
+            raise ConfigError(f"{self.key('evaluate_per_class')} must be 0 (off) or >= 2 (a covariance needs two images), got 1")
         self.within("exponent", 0, MAX_EXPONENT)
         self.within("min_confidence", 0, 1, high_open=True)
 

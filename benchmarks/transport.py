@@ -1,7 +1,8 @@
 """ResNet-18's weights (~45 MB) to one client and back through the coordinator's real gRPC path, beside raw TCP.
 
 A real `fedsynth coordinator` process (ResNet-18, CIFAR-shaped data, one client) pushes each round's global
-model; this script is the client: it receives the task over Subscribe, verifies and decodes the payload, and
+model; this script is the client, on the real client's path (fedsynth.transfer, fedsynth.tensor_buffer): it
+receives the task over Subscribe into one buffer, hashing as chunks arrive, decodes tensors as views of it, and
 sends the same weights straight back with SubmitUpdate ("training off"), which the coordinator verifies,
 decodes, validates and folds into its aggregate. The raw baseline sends the same bytes to an echo process
 over a plain TCP socket and reads them back. Prints a markdown table.
@@ -27,9 +28,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from deploy.processes import ProcessGroup, fedsynth_command, wait_for_file
 from fedsynth import codec, grpcutil
+from fedsynth.raw_messages import submit_update_call
+from fedsynth.tensor_buffer import decode_views, encode_to_buffer
+from fedsynth.transfer import chunk_messages, describe_buffer, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -76,6 +81,7 @@ def grpc_round_trips(address: str, rounds: int) -> list[dict[str, float]]:
     """Per round: seconds spent receiving, verifying and decoding the push, and sending the weights back."""
     channel = grpcutil.make_channel(address)
     stub = pb_grpc.CoordinatorStub(channel)
+    submit = submit_update_call(channel)
     spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=60, wait_for_ready=True)
     session = stub.Register(pb.RegisterRequest(client_id=0, num_samples=1, run_id=spec.run_id), timeout=60).session
     stream = stub.Subscribe(pb.SubscribeRequest(client_id=0, session=session), timeout=3600)
@@ -84,31 +90,33 @@ def grpc_round_trips(address: str, rounds: int) -> list[dict[str, float]]:
         for _ in range(rounds):
             task = next(m.task for m in stream if m.WhichOneof("kind") == "task")
             started = time.perf_counter()
-            chunks = [(m.chunk.seq, m.chunk.data) for m in _chunks(stream, task.payload.num_chunks)]
-            received = time.perf_counter()
             meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
-            data = codec.assemble(meta, chunks)
-            verified = time.perf_counter()
-            state = codec.split_prefixed(codec.decode(data))["model"]
+            buffer = receive_into(meta, ((m.chunk.seq, m.chunk.data) for m in _chunks(stream, task.payload.num_chunks)))
+            received = verified = time.perf_counter()  # the SHA-256 is computed while the chunks arrive
+            state = codec.split_prefixed(decode_views(buffer))["model"]
             decoded = time.perf_counter()
-            payload = codec.encode(codec.join_prefixed(model=state))
-            reply_meta = codec.describe(payload)
+            payload = encode_to_buffer(codec.join_prefixed(model=state))
+            reply_meta = describe_buffer(payload)
             encoded = time.perf_counter()
             header = pb.UpdateHeader(
                 client_id=0, session=session, round=task.round, task_id=task.task_id,
                 payload=pb.Payload(total_bytes=reply_meta.total_bytes, sha256=reply_meta.sha256, num_chunks=reply_meta.num_chunks),
             )
-            messages = [pb.UpdateChunk(header=header)] + [pb.UpdateChunk(chunk=pb.Chunk(seq=s, data=d)) for s, d in codec.split(payload)]
-            stub.SubmitUpdate(iter(messages), timeout=600)
+            submit(_reply(header, payload), timeout=600)
             sent = time.perf_counter()
             timings.append({
-                "bytes": float(len(data)), "push_transfer": received - started, "push_verify": verified - received,
+                "bytes": float(buffer.numel()), "push_transfer": received - started, "push_verify": verified - received,
                 "push_decode": decoded - verified, "reply_encode": encoded - decoded, "reply_submit": sent - encoded,
             })
     finally:
         stream.cancel()
         channel.close()
     return timings
+
+
+def _reply(header: pb.UpdateHeader, payload: torch.Tensor) -> Iterator[pb.UpdateChunk | bytes]:
+    yield pb.UpdateChunk(header=header)
+    yield from chunk_messages(payload)
 
 
 def _chunks(stream: Iterator[pb.ServerMessage], count: int) -> Iterator[pb.ServerMessage]:
@@ -164,9 +172,9 @@ def coordinator_processing(payload: bytes, repeats: int) -> float:
     for _ in range(repeats):
         aggregator = Aggregator(state)
         started = time.perf_counter()
-        received = codec.split_prefixed(codec.decode(codec.assemble(meta, chunks)))["model"]
+        received = codec.split_prefixed(decode_views(receive_into(meta, chunks)))["model"]
         codec.check_like(received, template, what="update")
-        aggregator.add(received, {}, 1.0)
+        aggregator.add(received, {}, 1.0, layout_checked=True)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
@@ -202,11 +210,11 @@ def main() -> None:
           f"{args.rounds}; {platform.node()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n")
     print("| step | seconds | MB/s |")
     print("|---|---:|---:|")
-    print(f"| push: Subscribe stream, task header to last chunk | {m['push_transfer']:.3f} | {rate(m['push_transfer'])} |")
-    print(f"| push: SHA-256 check + safetensors decode (client) | {m['push_verify'] + m['push_decode']:.3f} | |")
-    print(f"| reply: safetensors encode + SHA-256 (client) | {m['reply_encode']:.3f} | |")
+    print(f"| push: Subscribe stream, task header to last chunk, written in place and hashed as it arrives | {m['push_transfer']:.3f} | {rate(m['push_transfer'])} |")
+    print(f"| push: safetensors header + tensor views (client) | {m['push_verify'] + m['push_decode']:.3f} | |")
+    print(f"| reply: safetensors encode into one buffer + SHA-256 (client) | {m['reply_encode']:.3f} | |")
     print(f"| reply: SubmitUpdate until the coordinator answers | {m['reply_submit']:.3f} | {rate(m['reply_submit'])} |")
-    print(f"| (the coordinator's join + SHA-256 + decode + validation + aggregation of one update, timed in-process) | {processing:.3f} | |")
+    print(f"| (the coordinator's in-place receive + SHA-256 + views + validation + aggregation of one update, timed in-process) | {processing:.3f} | |")
     print(f"| **round trip, real path (everything above)** | {total:.3f} | {rate(total, 2)} |")
     print(f"| **raw TCP round trip** (same bytes to an echo process and back) | {raw:.3f} | {rate(raw, 2)} |")
     if args.json is not None:

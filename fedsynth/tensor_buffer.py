@@ -35,8 +35,11 @@ def fresh_buffer(size: int) -> torch.Tensor:
     """
     if size < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(size, dtype=torch.uint8)
-    region = mmap.mmap(-1, size + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE)
-    region.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        region = mmap.mmap(-1, size + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE)
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # no mapping or no advice here: plain memory works too, only slower to fill
+        return torch.empty(size, dtype=torch.uint8)
     start = -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE_BYTES
     return torch.frombuffer(region, dtype=torch.uint8, count=size, offset=start)
 

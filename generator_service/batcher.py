@@ -170,6 +170,7 @@ class Batcher:
             try:
                 images = self._sample(keys)
             except PartlyUnservable as exc:  # e.g. the quality filter's budget ran out for one class
+                log.warning("%d of %d images in a batch cannot be served: %s", len(exc.failed_rows), len(keys), exc)
                 images, unservable = exc.images, exc
             except Exception as exc:  # a sampling failure fails the requests in this batch, not the server
                 log.exception("sampling a batch of %d images failed", len(keys))

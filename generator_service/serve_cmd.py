@@ -78,7 +78,9 @@ class ServeConfig:
         for other, flags in BACKEND_FLAGS.items():
             for name in flags:
                 if name not in self._flags() and getattr(self, name) is not None:
-                    raise ConfigError(f"{_flag(name)} is a flag of --backend {other}, not of --backend {self.backend}")
+                    also = " (the quality filter reads it with --min-confidence > 0)" if name == "data_dir" else ""
+                    raise ConfigError(f"{_flag(name)} is a flag of --backend {other}, not of --backend {self.backend}"
+                                      f"{also}")
         for name in REQUIRED_FLAGS.get(self.backend, ()):
             if getattr(self, name) is None:
                 raise ConfigError(f"--backend {self.backend} needs {_flag(name)}")

@@ -259,6 +259,9 @@ def test_bad_min_confidence_is_refused_naming_the_key(value: str) -> None:
 def test_serve_refuses_a_bad_min_confidence(value: float) -> None:
     with pytest.raises(ConfigError, match="--min-confidence must be in"):
         ServeConfig(**HOLDOUT, min_confidence=value)  # type: ignore[arg-type]
+    ServeConfig(model=Path("m"), data_dir=Path("d"), min_confidence=0.5)  # the judge's data: ddpm takes it, filtering
+    with pytest.raises(ConfigError, match="the quality filter reads it with --min-confidence > 0"):
+        ServeConfig(model=Path("m"), data_dir=Path("d"))
     parser = argparse.ArgumentParser()
     serve_cmd.add_arguments(parser)
     args = parser.parse_args(["--backend", "holdout", "--min-confidence", str(value)])

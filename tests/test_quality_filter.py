@@ -4,6 +4,7 @@ reported, a bounded clear failure for an impossible threshold, and bad values re
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from deploy.generator_setup import check_backend, serve_arguments
 from deploy.launcher import Launcher
 from deploy.processes import ProcessGroup
 from deploy.report import quality_filter
-from fedsynth import grpcutil
+from fedsynth import cli, grpcutil
 from fedsynth.config import load_config
 from fedsynth.data import load_dataset
 from fedsynth.errors import ConfigError
@@ -219,6 +220,17 @@ def test_the_judge_scores_an_image_alike_alone_and_among_others(
     together = scorer.confidence(images, classes)  # three padded calls of 64 rows
     alone = np.concatenate([scorer.confidence(images[i : i + 1], classes[i : i + 1]) for i in range(0, 150, 7)])
     assert together[::7].tobytes() == alone.tobytes()
+
+
+def test_evaluate_scores_the_filtered_images(served: tuple[GeneratorServer, grpc.Channel], judges: Path,
+                                             tmp_path: Path) -> None:
+    out = tmp_path / "filtered.json"
+    assert cli.main(["generator", "evaluate", "--backend", "holdout", "--dataset", "digits", "--holdout-fraction", "0.2",
+                     "--min-confidence", "0.9", "--per-class", "20", "--threads", "1", "--judge-cache", str(judges),
+                     "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert "-q0.9-j" in figures["model_id"] and figures["n_per_class"] == 20
+    assert figures["recognizability"] == 1.0  # the judge only let through what it recognizes
 
 
 def test_an_impossible_threshold_fails_the_request_in_one_clear_status(

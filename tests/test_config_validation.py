@@ -69,6 +69,7 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "generation.exponent": ("float", [-0.5, 2.5]),
     "generation.entropy_factor": ("bool", []),
     "generation.min_confidence": ("float", [-0.1, 1, 1.5]),
+    "generation.evaluate_per_class": ("int", [-1, 1]),
     "runtime.host": ("str", [""]),
     "runtime.coordinator_port": ("int", [-1, 65536]),
     "runtime.round_timeout_s": ("float", [0, -1]),

@@ -22,6 +22,7 @@ from fedsynth.config_schema import (
     MODELS,
     PARTITIONS,
     POLICIES,
+    WIRE_DTYPES,
     Section,
 )
 from fedsynth.data import DATASETS
@@ -213,9 +214,11 @@ class RuntimeConfig(Section):
     heartbeat_timeout_s: float = 6.0  # a connected client silent this long is dropped (its stream ended)
     overlap_evaluation: bool = True  # test round r's model while round r+1 trains (same results, less wall-clock)
     tls_dir: str | None = None  # `fedsynth deploy provision` folder: the launcher runs every role over mutual TLS
+    wire_dtype: str = "float32"  # client updates' floats on the wire; float16 / bfloat16 send them as deltas, half the bytes
 
     def check(self) -> None:
         self.non_empty("host", "tls_dir")
+        self.one_of("wire_dtype", WIRE_DTYPES)
         self.within("coordinator_port", 0, 65535)
         self.above(0, "round_timeout_s", "registration_timeout_s", "heartbeat_s")
         self.within("quorum", 0, 1, low_open=True)
@@ -249,7 +252,9 @@ class RunConfig(Section):
         runtime settings and the number of rounds are left out, so a finished run can be extended."""
         content = self.to_dict()
         content.pop("out_dir")
-        content.pop("runtime")
+        wire_dtype = content.pop("runtime")["wire_dtype"]
+        if wire_dtype != "float32":  # rounding the updates changes results; at the default, old fingerprints hold
+            content["wire_dtype"] = wire_dtype
         content["train"].pop("rounds")
         for key, default in LATER_GENERATION_KEYS.items():  # keys that came later: at their defaults, old fingerprints hold
             if content["generation"][key] == default:

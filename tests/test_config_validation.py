@@ -82,6 +82,7 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "runtime.heartbeat_timeout_s": ("float", [0, -1, 2.0, 3.9]),  # below twice the default heartbeat_s
     "runtime.overlap_evaluation": ("bool", []),
     "runtime.tls_dir": ("str?", [""]),
+    "runtime.wire_dtype": ("str", ["float64", "fp16", "FLOAT16", "int8", ""]),
     "sdafl.samples_per_client": ("int", [0]),
     "sdafl.tau": ("float", [-0.1, 1]),
     "sdafl.lambda2": ("float", [-1]),

@@ -82,7 +82,7 @@ class RoundDriver:
     def run(self) -> None:
         """Play every remaining round; raises QuorumError when the run cannot go on."""
         try:
-            if not self.state.initial:
+            if self.state.completed == 0 and not self.state.initial:
                 # here, not before the server binds: ResNet-18 on CIFAR's 10,000 test images takes minutes on a CPU,
                 # while the clients load their data and register
                 loss, acc = evaluate(self.state.model, self.test_data, self.cfg.train.eval_batch_size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterable
@@ -56,6 +57,9 @@ class SdaflServer:
     # ---- uploads ---------------------------------------------------------------------------------
 
     def accept_upload(self, client_id: int, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]]) -> int:
+        for key in ("epsilon", "delta", "noise_multiplier", "gan_seconds"):  # reported as they come: finite, >= 0
+            if not (math.isfinite(header[key]) and header[key] >= 0):
+                raise WireError(f"synthetic upload: {key} must be a finite number >= 0, got {header[key]!r}")
         shape = (header["height"], header["width"], header["channels"])
         with self._lock:
             self.pool.check_header(client_id, header["count"], shape, header["dtype"])

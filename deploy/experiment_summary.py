@@ -36,7 +36,7 @@ def run_metrics(run_dir: Path, last_n: int, threshold: float) -> dict[str, Any]:
         "rounds_to_threshold": reached[0] if reached else None,
         # synthetic images the method used: generated (FedEAS and baselines) or uploaded DP-GAN samples (SDA-FL)
         "budget": int(report["generation"]["total_images"]) + int(sum(p.get("samples", 0) for p in privacy.values())),
-        # SDA-FL: each client's DP-GAN has its own (epsilon, delta); the run's guarantee is the weakest client's
+        # SDA-FL: each client's DP-GAN has its own (epsilon, delta); the largest of each bounds every client's guarantee
         "epsilon": max((float(p["epsilon"]) for p in privacy.values() if "epsilon" in p), default=None),
         "delta": max((float(p["delta"]) for p in privacy.values() if "delta" in p), default=None),
         "device_seconds": float(report["generation"]["device_seconds"]),
@@ -151,7 +151,7 @@ def _markdown(summary: dict[str, Any], plots: list[Path]) -> str:
     private = [a for a in summary["arms"] if a.get("epsilon") is not None]
     if private:
         lines += ["", "## Privacy (SDA-FL's DP-GANs)", "",
-                  "The largest epsilon and delta of any client in any of the arm's runs: the weakest guarantee a client got.", "",
+                  "The largest epsilon and the largest delta of any client in any of the arm's runs: a bound on every client's guarantee.", "",
                   "| arm | epsilon | delta |", "|---|---|---|"]
         lines += [f"| {a['name']} | {a['epsilon']:.2f} | {a['delta']:.1e} |" for a in private]
     if any(a.get("phases_s") for a in summary["arms"]):

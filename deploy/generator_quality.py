@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +23,14 @@ TIMEOUT_S = 1800.0  # a CPU judge for CIFAR-10 trains for minutes once; later ru
 KEPT = ("recognizability", "per_class_recognizability", "cas", "frechet", "real_test_frechet", "judge_test_accuracy",
         "chance", "n_images", "backend", "model_id")
 GRID = "generator-grid.png"
+CACHE_FORMAT = 1  # bump when `fedsynth generator evaluate`'s recipe changes: older figures are then not reused
 
 
 def cache_key(cfg: RunConfig, counters: dict[str, Any]) -> str:
     """Same generator (backend and model id, which fold in its weights or held-out split), same data, same figures."""
     g = cfg.generation
-    identity = {"backend": counters.get("backend"), "model_id": counters.get("model_id"), "dataset": cfg.data.dataset,
-                "data_dir": str(Path(cfg.data.data_dir).resolve()) if cfg.data.data_dir else None,
+    identity = {"format": CACHE_FORMAT, "backend": counters.get("backend"), "model_id": counters.get("model_id"),
+                "dataset": cfg.data.dataset, "data_dir": str(Path(cfg.data.data_dir).resolve()) if cfg.data.data_dir else None,
                 "per_class": g.evaluate_per_class, "min_confidence": g.min_confidence, "seed": 0}
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
 
@@ -36,29 +39,33 @@ def generator_quality(cfg: RunConfig, address: str, counters: dict[str, Any], *,
     """The figures (cached under $FEDSYNTH_CACHE/quality), the sample grid copied to OUT_DIR/plots; an `error` instead
     when the judge could not score the generator: the run itself stands."""
     folder = cache_root() / "quality"
-    figures, grid = folder / f"{cache_key(cfg, counters)}.json", folder / f"{cache_key(cfg, counters)}.png"
+    key = cache_key(cfg, counters)
+    figures, grid = folder / f"{key}.json", folder / f"{key}.png"
     cached = figures.is_file()
     if not cached:
         folder.mkdir(parents=True, exist_ok=True)
-        scratch = folder / f".{figures.stem}.{address.replace(':', '-')}"
-        command = fedsynth_command(
-            "generator", "evaluate", "--generator", address, "--dataset", cfg.data.dataset, "--per-class", str(cfg.generation.evaluate_per_class),
-            "--seed", "0", "--json", f"{scratch}.json", "--grid", f"{scratch}.png", "--threads", str(cfg.runtime.torch_threads),
-            *(["--data-dir", str(cfg.data.data_dir)] if cfg.data.data_dir else []), *tls_flags,
-        )
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
-        except subprocess.TimeoutExpired:
-            return {"error": f"`fedsynth generator evaluate` did not finish within {TIMEOUT_S:.0f} s"}
-        if done.returncode != 0:
-            tail = done.stderr.strip().splitlines()[-1:] or ["no message"]
-            log.warning("could not score the generator: %s", tail[0])
-            return {"error": f"`fedsynth generator evaluate` exited {done.returncode}: {tail[0]}"}
-        shutil.move(f"{scratch}.png", grid)
-        write_atomic(figures, Path(f"{scratch}.json").read_text())  # last: a cache entry is whole or absent
-        Path(f"{scratch}.json").unlink()
+        with tempfile.TemporaryDirectory(dir=folder, prefix=f".{key}.") as scratch:  # gone whatever happens
+            command = fedsynth_command(
+                "generator", "evaluate", "--generator", address, "--dataset", cfg.data.dataset,
+                "--per-class", str(cfg.generation.evaluate_per_class), "--seed", "0", "--json", f"{scratch}/figures.json",
+                "--grid", f"{scratch}/grid.png", "--threads", str(cfg.runtime.torch_threads),
+                *(["--data-dir", str(cfg.data.data_dir)] if cfg.data.data_dir else []), *tls_flags,
+            )
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+            except subprocess.TimeoutExpired:
+                return {"error": f"`fedsynth generator evaluate` did not finish within {TIMEOUT_S:.0f} s"}
+            if done.returncode != 0:
+                tail = done.stderr.strip().splitlines()[-1:] or ["no message"]
+                log.warning("could not score the generator: %s", tail[0])
+                return {"error": f"`fedsynth generator evaluate` exited {done.returncode}: {tail[0]}"}
+            os.replace(f"{scratch}/grid.png", grid)
+            write_atomic(figures, Path(f"{scratch}/figures.json").read_text())  # last: a cache entry is whole or absent
     result = json.loads(figures.read_text())
     (out_dir / "plots").mkdir(parents=True, exist_ok=True)
     if grid.is_file():
         shutil.copyfile(grid, out_dir / "plots" / GRID)
-    return {**{key: result.get(key) for key in KEPT}, "seconds": result.get("seconds", {}).get("total"), "cached": cached}
+    # seconds: what scoring took when it ran (0 here when read from the cache)
+    seconds = 0.0 if cached else result.get("seconds", {}).get("total")
+    return {**{name: result.get(name) for name in KEPT}, "seconds": seconds, "cached": cached,
+            "grid": GRID if grid.is_file() else None}

@@ -67,7 +67,8 @@ class Launcher:
         self.group = ProcessGroup(out_dir / "logs")
         self.generation_setup_s = 0.0
         self.generator_metrics_file: Path | None = None
-        self.quality_s = 0.0  # scoring the generator after the run: not part of the run's wall-clock
+        self.scoring_s = 0.0  # scoring the generator after the run: not part of the run's wall-clock
+        self.interrupted = False  # a stop signal arrived while scoring: the run's report is still written
         self._following = False
         self.failures: list[dict[str, object]] = []  # children that exited non-zero on their own, in that order
         # runtime.tls_dir: every role over mutual TLS, the launcher itself as `operator`; else plaintext on this machine.
@@ -213,16 +214,25 @@ class Launcher:
                 return
             time.sleep(0.5)
 
-    def generator_quality(self, address: str | None, counters: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The judge's figures for the generator this run started, once its counters are read (scoring draws images)."""
+    def score_generator(self, address: str | None, counters: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The judge's figures for the generator this run started, once its counters are read (scoring draws images).
+        Whatever goes wrong here, even a stop signal, is the scoring's failure, not the finished run's: it is recorded
+        as {"error": ...} and the report is written."""
         if address is None or counters is None or self.cfg.generation.evaluate_per_class == 0:
             return None
         from deploy.generator_quality import generator_quality
 
         started = time.monotonic()
-        figures = generator_quality(self.cfg, address, counters, out_dir=self.out_dir, tls_flags=self.tls_flags)
-        self.quality_s = time.monotonic() - started
-        return figures
+        try:
+            return generator_quality(self.cfg, address, counters, out_dir=self.out_dir, tls_flags=self.tls_flags)
+        except KeyboardInterrupt:
+            self.interrupted = True
+            return {"error": "interrupted while scoring the generator"}
+        except Exception as exc:  # a read-only cache, a corrupt cache entry, a full disk
+            log.warning("could not score the generator: %s", exc)
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            self.scoring_s = time.monotonic() - started
 
     def generator_counters(self) -> dict[str, Any] | None:
         """The generator's backend, model id and totals, read from its /metrics before it stops (None without one)."""
@@ -296,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
         success = launcher.follow(coordinator)
         code = launcher.wait_for_exits(EXIT_TIMEOUT_S)
         counters = launcher.generator_counters()
-        quality = launcher.generator_quality(generator, counters) if success else None
+        quality = launcher.score_generator(generator, counters) if success else None
     except KeyboardInterrupt:
         log.warning("interrupted: stopping every process (the checkpoint keeps completed rounds)")
         launcher.group.stop_all()
@@ -311,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
     record = load_coordinator_record(out_dir)
     report = build_report(
         record,
-        wall_clock_s=time.monotonic() - started - launcher.quality_s,
+        wall_clock_s=time.monotonic() - started - launcher.scoring_s,
         processes=launcher.group.pids(),
         generation_wall_s=launcher.generation_setup_s,
         generator_counters=counters,
@@ -332,4 +342,4 @@ def run(args: argparse.Namespace) -> int:
         first = launcher.failures[0]
         log.error("run failed: %s (pid %s) exited with code %s; see %s and report.json", first["process"], first["pid"],
                   first["exit_code"], first["log"])
-    return int(report["exit_code"])
+    return EXIT_INTERRUPTED if launcher.interrupted else int(report["exit_code"])

@@ -246,7 +246,8 @@ def _markdown(report: dict[str, Any], record: dict[str, Any], gen_rows: list[Cli
         *[f"| {g.client} | {g.images:,} | {g.device_seconds:.2f} | {g.wall_seconds:.2f} | {'yes' if g.cache_hit else 'no'} |" for g in gen_rows],
         "",
     ]
-    lines += _quality_section(report.get("generation", {}).get("quality"))
+    generation = report.get("generation", {})
+    lines += _quality_section(generation.get("quality"), generation.get("quality_filter"))
     lines += _sdafl_section(record)
     lines += ["## Plots", "", *[f"![{p.stem}]({PLOTS}/{p.name})" for p in plots], ""]
     lines += ["Processes: " + ", ".join(f"{role} (pid {pid})" for role, pid in report.get("processes", {}).items()), ""]
@@ -268,7 +269,7 @@ def _quality_filter_rows(filtered: dict[str, Any] | None) -> list[str]:
     ]
 
 
-def _quality_section(quality: dict[str, Any] | None) -> list[str]:
+def _quality_section(quality: dict[str, Any] | None, filtered: dict[str, Any] | None) -> list[str]:
     """The judge's figures for the generator (docs/generator.md, `fedsynth generator evaluate`)."""
     if not quality:
         return []
@@ -290,8 +291,9 @@ def _quality_section(quality: dict[str, Any] | None) -> list[str]:
         f"({_fmt(quality.get('real_test_frechet'))}) |",
         f"| recognizability per class | {per_class} |",
         "",
-        f"![generator grid]({PLOTS}/generator-grid.png)",
-        "",
+        *(["With the quality filter on, the judge that chose the images also scores them: recognizability is high by "
+           "construction; CAS and the Fréchet distance are the figures to read.", ""] if filtered else []),
+        *([f"![generator grid]({PLOTS}/{quality['grid']})", ""] if quality.get("grid") else []),
     ]
 
 

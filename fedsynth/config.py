@@ -252,6 +252,7 @@ class RunConfig(Section):
         runtime settings and the number of rounds are left out, so a finished run can be extended."""
         content = self.to_dict()
         content.pop("out_dir")
+        content["generation"].pop("evaluate_per_class")  # scoring the generator after the run changes no result
         wire_dtype = content.pop("runtime")["wire_dtype"]
         if wire_dtype != "float32":  # rounding the updates changes results; at the default, old fingerprints hold
             content["wire_dtype"] = wire_dtype

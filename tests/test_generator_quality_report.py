@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fedsynth.config import load_config
+
 RUN = ["data.clients=3", "runtime.clients_per_process=3", "train.rounds=1", "train.local_epochs=1",
        "generation.backend=holdout", "data.holdout_fraction=0.2"]
 
@@ -35,8 +37,16 @@ def test_the_holdout_generator_is_scored_near_the_judges_accuracy_once_then_from
     assert "## Generator quality" in (tmp_path / "first" / "report.md").read_text()
 
     again = run(tmp_path, "again")["generation"]["quality"]
-    assert again["cached"] is True and {k: v for k, v in again.items() if k != "cached"} == {
-        k: v for k, v in quality.items() if k != "cached"}
+    assert (again["cached"], again["seconds"], quality["seconds"] > 0) == (True, 0.0, True)
+    assert {k: v for k, v in again.items() if k not in ("cached", "seconds")} == {
+        k: v for k, v in quality.items() if k not in ("cached", "seconds")}
     assert (tmp_path / "again" / "plots" / "generator-grid.png").is_file()
 
     assert run(tmp_path, "off", "generation.evaluate_per_class=0")["generation"]["quality"] is None
+
+
+def test_scoring_the_generator_is_not_part_of_a_runs_identity() -> None:
+    """A checkpoint resumes whatever generation.evaluate_per_class says: the default fingerprint is the one from
+    before the key existed."""
+    fingerprints = {load_config(None, [f"generation.evaluate_per_class={n}"]).fingerprint() for n in (0, 2, 50)}
+    assert fingerprints == {"a131c5ba3d48046d"}

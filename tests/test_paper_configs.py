@@ -88,7 +88,8 @@ def test_an_arm_runs_a_round_of_resnet18_on_a_cpu(tmp_path: Path, dataset: str, 
     """One round, one local step, the holdout backend standing in for the DDPM: the paper's arm starts on a CPU."""
     data = cifar_shaped(tmp_path / "data", NUM_CLASSES[dataset], train=20_000, test=200)
     smoke = [*federation_overrides(*federation), f"data.data_dir={json.dumps(str(data))}", "data.holdout_fraction=0.2",
-             "generation.backend=holdout", "train.rounds=1", "train.max_steps=1", "runtime.round_timeout_s=300"]
+             "generation.backend=holdout", "train.rounds=1", "train.max_steps=1", "runtime.round_timeout_s=300",
+             "generation.evaluate_per_class=0"]  # no judge for random pixels
     experiment = load_experiment(CONFIGS / f"paper-{dataset}.toml", smoke)
     out = tmp_path / "run"
     cfg = experiment.arm_config(next(a for a in experiment.arms if a.name == arm), 0, out)

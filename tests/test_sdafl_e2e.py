@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import grpc
@@ -70,14 +71,15 @@ def _reference_agreement(images: np.ndarray, labels: np.ndarray, *, seed: int) -
     return float((model.predict(images.reshape(len(images), -1) / 255.0) == labels).mean())
 
 
-def _upload(stub: pb_grpc.CoordinatorStub, session: str, images: np.ndarray, *, client_id: int, dtype: str = "uint8") -> pb.UploadReply:
+def _upload(stub: pb_grpc.CoordinatorStub, session: str, images: np.ndarray, *, client_id: int, dtype: str = "uint8",
+            epsilon: float = 1.0) -> pb.UploadReply:
     data = images.tobytes()
     meta = codec.describe(data)
     n, h, w, c = images.shape
     header = pb.SyntheticHeader(
         client_id=client_id, session=session, count=n, height=h, width=w, channels=c, dtype=dtype,
         payload=pb.Payload(total_bytes=meta.total_bytes, sha256=meta.sha256, num_chunks=meta.num_chunks),
-        epsilon=1.0, delta=1e-5, noise_multiplier=1.0, gan_seconds=0.1,
+        epsilon=epsilon, delta=1e-5, noise_multiplier=1.0, gan_seconds=0.1,
     )
     messages = [pb.SyntheticChunk(header=header)] + [pb.SyntheticChunk(chunk=pb.Chunk(seq=s, data=d)) for s, d in codec.split(data)]
     return stub.UploadSynthetic(iter(messages), timeout=30)
@@ -101,6 +103,8 @@ def test_bad_uploads_are_refused_and_never_enter_the_synthetic_set(runtime: Runt
             "too many": (lambda: _upload(stub, reply.session, np.zeros((41, 8, 8, 1), np.uint8), client_id=1), grpc.StatusCode.INVALID_ARGUMENT, "41"),
             "unregistered client": (lambda: _upload(stub, "nope", good, client_id=2), grpc.StatusCode.FAILED_PRECONDITION, "client 2"),
             "stale session": (lambda: _upload(stub, "stale", good, client_id=1), grpc.StatusCode.FAILED_PRECONDITION, "session"),
+            "NaN epsilon": (lambda: _upload(stub, reply.session, good, client_id=1, epsilon=math.nan), grpc.StatusCode.INVALID_ARGUMENT, "epsilon must be a finite number >= 0, got nan"),
+            "negative epsilon": (lambda: _upload(stub, reply.session, good, client_id=1, epsilon=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "got -1.0"),
         }
         for name, (call, code, fragment) in cases.items():
             with pytest.raises(grpc.RpcError) as info:

@@ -18,7 +18,7 @@ from client_node.heartbeats import send_heartbeats
 from client_node.metrics import ClientMetrics
 from client_node.sdafl_client import ensure_samples, upload
 from client_node.synthesis import SyntheticSet, fedeas_total, synthesize
-from fedsynth import codec, grpcutil
+from fedsynth import codec, grpcutil, wire_dtype
 from fedsynth.assembly import algorithm_for, client_seed, client_shard, local_train_config, round_generator
 from fedsynth.config import RunConfig, from_json
 from fedsynth.errors import FedsynthError, StopRequested, WireError
@@ -247,7 +247,9 @@ class LogicalClient:
         self.metrics.train_seconds.observe(train_seconds)
         self.metrics.samples_per_second.set(update.num_steps * cfg.train.batch_size / max(train_seconds, 1e-9))
 
-        payload = encode_to_buffer(codec.join_prefixed(model=update.state, extra=update.extra))
+        model_group, extra_group = wire_dtype.outgoing(update.state, update.extra, global_state, cfg.runtime.wire_dtype)
+        payload = encode_to_buffer(codec.join_prefixed(model=model_group, extra=extra_group))
+        del model_group, extra_group  # the cast copies (float16 / bfloat16): the payload holds their bytes now
         meta = describe_buffer(payload)
         header = pb.UpdateHeader(
             client_id=self.client_id,

@@ -27,9 +27,9 @@ from coordinator.registry import ClientRegistry
 from coordinator.round_driver import RoundDriver
 from coordinator.run_state import RunState
 from coordinator.sdafl_server import SdaflServer
-from coordinator.updates import receive_update
+from coordinator.updates import local_state, receive_update
 from fedsynth import codec
-from fedsynth.algorithms.fedgen import FedGen
+from fedsynth.algorithms.fedgen import FedGen, head_keys
 from fedsynth.assembly import algorithm_for
 from fedsynth.config import RunConfig
 from fedsynth.data import load_dataset
@@ -171,15 +171,15 @@ class Federation:
         meta = codec.PayloadMeta(header["total_bytes"], header["sha256"], header["num_chunks"])
         log.info("round %d: receiving client %d's update (%d bytes)", rnd.number, client_id, meta.total_bytes)
         update = receive_update(meta, chunks, max_bytes=2 * rnd.payload.meta.total_bytes + (1 << 20), template=self.state.template,
-                                client_id=client_id)
-        labels = self._pseudo_labels(client_id, update.state) if self.sdafl is not None else None
+                                client_id=client_id, wire=self.cfg.runtime.wire_dtype)
+        labels = self._pseudo_labels(client_id, local_state(update, rnd.global_state)) if self.sdafl is not None else None
         with self.lock:
             if self.driver.current is not rnd or client_id not in rnd.pending:
                 raise StateError(f"round {rnd.number} closed before client {client_id}'s update was complete")
             started = time.monotonic()
-            rnd.aggregator.add(update.state, update.extra, float(record.num_samples), layout_checked=True)
+            rnd.aggregator.add(update.state, update.extra, float(record.num_samples), layout_checked=True, deltas=update.deltas)
             if self.fedgen is not None:
-                self.fedgen.keep_head(rnd.number, client_id, update.state)
+                self.fedgen.keep_head(rnd.number, client_id, local_state(update, rnd.global_state, head_keys(update.state)))
             rnd.aggregation_s += time.monotonic() - started
             rnd.answered[client_id] = {
                 "train_seconds": header["train_seconds"],

@@ -1,5 +1,5 @@
 """One client's update off the wire: received in place and hashed as it arrives, decoded as views of that one buffer,
-validated against the global model."""
+validated against the global model's layout in the run's wire dtype."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedsynth import codec
+from fedsynth import codec, wire_dtype
 from fedsynth.errors import WireError
 from fedsynth.tensor_buffer import decode_views
 from fedsynth.transfer import receive_into
@@ -16,11 +16,13 @@ from fedsynth.transfer import receive_into
 
 @dataclass(frozen=True)
 class ReceivedUpdate:
-    """Tensors that are views of the received buffer: it lives exactly as long as they do."""
+    """Tensors that are views of the received buffer: it lives exactly as long as they do. With `deltas`, the
+    floating-point tensors of `state` are differences from the round's global model (see fedsynth.wire_dtype)."""
 
     state: dict[str, torch.Tensor]
     extra: dict[str, torch.Tensor]
     num_bytes: int
+    deltas: bool = False
 
 
 def receive_update(
@@ -30,16 +32,32 @@ def receive_update(
     max_bytes: int,
     template: dict[str, torch.Tensor],
     client_id: int,
+    wire: str = "float32",
 ) -> ReceivedUpdate:
-    """A verified update, or a WireError naming what is wrong; nothing is aggregated here."""
+    """A verified update, or a WireError naming what is wrong; nothing is aggregated here.
+
+    `template` is the global model's layout; every floating-point tensor must arrive in the `wire` dtype exactly (a
+    float32 update where float16 is configured is refused, and the reverse) and finite (a float16 overflow is inf)."""
     buffer = receive_into(meta, chunks, max_bytes=max_bytes)
     groups = codec.split_prefixed(decode_views(buffer))
     unknown = sorted(set(groups) - {"model", "extra"})
     if unknown:
         raise WireError(f"update carries unknown tensor groups {unknown}")
     state, extra = groups.get("model", {}), groups.get("extra", {})
-    codec.check_like(state, template, what=f"update from client {client_id}")
+    codec.check_like(state, wire_dtype.expected_layout(template, wire), what=f"update from client {client_id}")
+    expected = wire_dtype.torch_dtype(wire)
     for name, tensor in extra.items():
+        if tensor.is_floating_point() and tensor.dtype != expected:
+            raise WireError(f"update from client {client_id}: extra tensor {name!r} has dtype {tensor.dtype}, expected {expected}")
         if tensor.is_floating_point() and not codec.all_finite(tensor):
             raise WireError(f"update: extra tensor {name!r} contains NaN or Inf")
-    return ReceivedUpdate(state, extra, buffer.numel())
+    return ReceivedUpdate(state, extra, buffer.numel(), deltas=wire_dtype.sends_deltas(wire))
+
+
+def local_state(update: ReceivedUpdate, global_state: dict[str, torch.Tensor], keys: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """The client's new weights themselves (only `keys` when given): the update's own tensors, or, for an update of
+    deltas, float32 weights rebuilt from the global state (a copy: only SDA-FL's pseudo-labels and FedGen's heads
+    need one)."""
+    if update.deltas:
+        return wire_dtype.absolute(update.state, global_state, keys)
+    return update.state if keys is None else {key: update.state[key] for key in keys}

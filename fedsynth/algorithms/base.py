@@ -100,6 +100,10 @@ class Aggregator:
     weight and casts back to the template's dtypes. Integer buffers (BatchNorm's
     num_batches_tracked) get the weighted mean rounded to the nearest integer.
 
+    An update sent as deltas (runtime.wire_dtype float16 / bfloat16) has its floating-point tensors
+    summed as they are; the global state is added back once, times those updates' total weight, in
+    the mean.
+
     Subclasses extend `add_extra` / `finish_server_state` for algorithm tensors (SCAFFOLD); the base
     class rejects any non-empty `extra` and returns the server state unchanged.
     """
@@ -107,8 +111,10 @@ class Aggregator:
     def __init__(self, global_state: StateDict, server_state: StateDict | None = None) -> None:
         self._template = {key: (value.dtype, tuple(value.shape)) for key, value in global_state.items()}
         self._sums = {key: torch.zeros(shape, dtype=torch.float64) for key, (_, shape) in self._template.items()}
+        self._global = global_state  # a reference (the round holds it anyway), read only for delta updates
         self._server_state = dict(server_state or {})
         self._total_weight = 0.0
+        self._delta_weight = 0.0  # total weight of the updates whose floats were deltas from the global state
         self._count = 0
 
     @property
@@ -120,19 +126,23 @@ class Aggregator:
     def total_weight(self) -> float:
         return self._total_weight
 
-    def add(self, state: StateDict, extra: StateDict, weight: float, *, layout_checked: bool = False) -> None:
+    def add(self, state: StateDict, extra: StateDict, weight: float, *, layout_checked: bool = False, deltas: bool = False) -> None:
         """Fold one client's state (weighted by its original dataset size N_k) into the running sum.
 
         layout_checked: the caller has already run `codec.check_like` against this round's global state (same keys,
-        shapes and dtypes, all finite), a superset of this layout check, which is then not repeated."""
+        shapes and dtypes, all finite), a superset of this layout check, which is then not repeated.
+        deltas: the floating-point tensors are differences from the global state (integer ones stay absolute)."""
         if isinstance(weight, bool) or not (isinstance(weight, numbers.Real) and math.isfinite(weight) and weight > 0):
             raise ValueError(f"aggregation weight must be a finite number > 0, got {weight!r}")
         if not layout_checked:
             check_same_layout(state, self._template, what="client state")
         self.add_extra(extra)
         for key, value in state.items():
+            # One tensor at a time is upcast (a float16 update is never held as float32 or float64 as a whole).
             self._sums[key].add_(value.detach().to("cpu", torch.float64), alpha=float(weight))
         self._total_weight += float(weight)
+        if deltas:
+            self._delta_weight += float(weight)
         self._count += 1
 
     def add_extra(self, extra: StateDict) -> None:
@@ -147,13 +157,20 @@ class Aggregator:
 
     def weighted_mean(self) -> StateDict:
         mean = {}
-        for key, total in self._sums.items():
+        for key in self._sums:
             dtype = self._template[key][0]
-            value = total / self._total_weight
+            value = self.mean64(key)
             if not (dtype.is_floating_point or dtype.is_complex):
                 value = torch.round(value)
             mean[key] = value.to(dtype)
         return mean
+
+    def mean64(self, key: str) -> torch.Tensor:
+        """The float64 weighted mean of one key, delta updates moved back onto the global state."""
+        total = self._sums[key]
+        if self._delta_weight and self._template[key][0].is_floating_point:
+            total = total + self._delta_weight * self._global[key].to("cpu", torch.float64)
+        return total / self._total_weight
 
     def finish_server_state(self) -> StateDict:
         return self._server_state

@@ -44,10 +44,16 @@ def head_prefix(state: StateDict) -> str:
     raise WireError(f"fedgen: the model has no head among {HEAD_PREFIXES}")
 
 
+def head_keys(state: StateDict) -> list[str]:
+    """The state keys of the head's weight and bias."""
+    prefix = head_prefix(state)
+    return [f"{prefix}weight", f"{prefix}bias"]
+
+
 def head_of(state: StateDict) -> StateDict:
     """The head's weight and bias of a model state (what the server keeps of each client's update)."""
-    prefix = head_prefix(state)
-    return {"weight": state[f"{prefix}weight"].detach().clone(), "bias": state[f"{prefix}bias"].detach().clone()}
+    weight, bias = head_keys(state)
+    return {"weight": state[weight].detach().clone(), "bias": state[bias].detach().clone()}
 
 
 def generator_from(state: StateDict) -> FeatureGenerator:

@@ -142,7 +142,7 @@ class ScaffoldAggregator(Aggregator):
         for key, value in mean.items():
             if value.is_floating_point():  # step from x towards the float64 mean, not the rounded-to-float32 one
                 start = self._global_state[key].to("cpu", torch.float64)
-                target = self._sums[key] / self.total_weight
+                target = self.mean64(key)
                 mean[key] = (start + self._global_lr * (target - start)).to(value.dtype)
         return mean
 

@@ -3,7 +3,9 @@
 It wraps whatever backend is loaded, as the batcher's sampling function, so every backend gets it. Image j of class c
 for seed s is the first candidate a = 0, 1, 2, ... that the judge accepts, where candidate a is the backend's own image
 (s, c, j + a * 2^32): a pure function of (model, judge, min_confidence, s, c, j) whatever the batching, the offsets or
-the replica, and an image the judge accepts unfiltered (a = 0) is served unchanged.
+the replica, and an image the judge accepts unfiltered (a = 0) is served unchanged. Only candidates a < MAX_CANDIDATES
+are ever drawn: an image whose first MAX_CANDIDATES are all rejected is unservable, which is as pure a function of its
+key (never of the other images in its sampling batch).
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from generator_service.metrics import GeneratorMetrics
 
 log = logging.getLogger(__name__)
 CANDIDATE_STRIDE = 1 << 32  # requested indices stay below 2^32, so no candidate is another image's first draw
-CANDIDATES_PER_IMAGE = 20  # a class gets up to 20 candidates per image in a sampling batch ...
-CANDIDATE_SLACK = 200  # ... plus 200, so that a batch holding a few images of a class is not failed by bad luck
+# An image may use its candidates a = 0 .. MAX_CANDIDATES - 1, its own whatever else is batched with it: at acceptance
+# rate p it is unservable with probability (1 - p)^220 (p = 10%: 1e-10, 5%: 1e-5, 2%: 1%), and an impossible threshold
+# costs at most 220 candidates per image, 220 x max_batch per sampling batch.
+MAX_CANDIDATES = 220
 JUDGE_SEED = 0  # `fedsynth generator evaluate`'s default --seed: the same cached judge
 JUDGE_ROWS = 64  # fixed whatever --max-batch, so that servers with other batch sizes judge alike
 
@@ -91,17 +95,15 @@ class QualityFilter:
     def sample(self, keys: Sequence[ImageKey]) -> np.ndarray:
         channels, height, width = self._description.image_shape
         images = np.zeros((len(keys), height, width, channels), dtype=np.uint8)
-        attempt = [0] * len(keys)  # a row's candidates before this one were all rejected
+        attempt = [0] * len(keys)  # a row's candidates before this one were all rejected; -1: served
         wanted = Counter(key.class_id for key in keys)
-        budget = {c: CANDIDATES_PER_IMAGE * n + CANDIDATE_SLACK for c, n in wanted.items()}
-        drawn: Counter[int] = Counter()
         judged: Counter[int] = Counter()
         accepted: Counter[int] = Counter()
         pending, failed = list(range(len(keys))), set()
         while pending:
-            failed |= {row for row in pending if drawn[keys[row].class_id] >= budget[keys[row].class_id]}
+            failed |= {row for row in pending if attempt[row] >= MAX_CANDIDATES}  # its own candidates all rejected
             pending = [row for row in pending if row not in failed]
-            plan = self._plan(keys, pending, attempt, {c: budget[c] - drawn[c] for c in budget})
+            plan = self._plan(pending, attempt)
             if not plan:
                 break
             candidates = [ImageKey(keys[r].seed, keys[r].class_id, keys[r].index + a * CANDIDATE_STRIDE) for r, a in plan]
@@ -113,7 +115,6 @@ class QualityFilter:
             outcome = []  # per candidate: "accepted", "rejected", or "spare" (its row took an earlier candidate)
             for (row, a), image, ok in zip(plan, drawn_images, passed):
                 c = keys[row].class_id
-                drawn[c] += 1
                 if a != attempt[row]:  # an earlier candidate of this row was accepted in this round
                     outcome.append("spare")
                     continue
@@ -132,25 +133,17 @@ class QualityFilter:
             raise PartlyUnservable(self._shortfall(keys, failed, wanted, judged, accepted), images, frozenset(failed))
         return images
 
-    def _plan(self, keys: Sequence[ImageKey], pending: list[int], attempt: list[int],
-              left: dict[int, int]) -> list[tuple[int, int]]:
+    def _plan(self, pending: list[int], attempt: list[int]) -> list[tuple[int, int]]:
         """(row, candidate) pairs for one call of the backend: each pending row's next candidate, in row order, up to
-        max_batch; then, since padded backends (ddpm, text2image) cost the same for fewer rows, the
-        spare rows go to the following candidates of the same rows, round-robin. No class passes its budget."""
-        plan: list[tuple[int, int]] = []
-        rows: list[int] = []
-        for row in pending:
-            if len(plan) == self.max_batch:
-                break
-            if left[keys[row].class_id] > 0:
-                left[keys[row].class_id] -= 1
-                plan.append((row, attempt[row]))
-                rows.append(row)
+        max_batch; then, since padded backends (ddpm, text2image) cost the same for fewer rows, the spare rows go to
+        the following candidates of the same rows, round-robin. No row passes its own MAX_CANDIDATES, so neither what
+        a row is served nor whether it fails depends on the other rows."""
+        rows = pending[: self.max_batch]  # every pending row has attempt < MAX_CANDIDATES
+        plan = [(row, attempt[row]) for row in rows]
         ahead = 1
-        while len(plan) < self.max_batch and any(left[keys[row].class_id] > 0 for row in rows):
+        while len(plan) < self.max_batch and any(attempt[row] + ahead < MAX_CANDIDATES for row in rows):
             for row in rows:
-                if len(plan) < self.max_batch and left[keys[row].class_id] > 0:
-                    left[keys[row].class_id] -= 1
+                if len(plan) < self.max_batch and attempt[row] + ahead < MAX_CANDIDATES:
                     plan.append((row, attempt[row] + ahead))
             ahead += 1
         return plan
@@ -171,12 +164,13 @@ class QualityFilter:
                    accepted: Counter[int]) -> str:
         parts = []
         for c in sorted({keys[row].class_id for row in failed}):
+            lost = sum(keys[row].class_id == c for row in failed)
             rate = accepted[c] / judged[c] if judged[c] else 0.0
-            parts.append(f"class {c}: the judge accepted {accepted[c]} of {judged[c]} candidates (acceptance rate "
-                         f"{rate:.2%}) for {wanted[c]} images")
-        return (f"quality filter at min_confidence {self.min_confidence:g}: {'; '.join(parts)}; a class may use "
-                f"{CANDIDATES_PER_IMAGE} candidates per image (+{CANDIDATE_SLACK}) in a sampling batch. Lower "
-                f"generation.min_confidence (--min-confidence) or use a better generator")
+            parts.append(f"class {c}: {lost} of {wanted[c]} images had all their {MAX_CANDIDATES} candidates rejected; "
+                         f"the judge accepted {accepted[c]} of {judged[c]} candidates (acceptance rate {rate:.2%})")
+        return (f"quality filter at min_confidence {self.min_confidence:g}: {'; '.join(parts)}; an image may use "
+                f"{MAX_CANDIDATES} candidates. Lower generation.min_confidence (--min-confidence) or use a better "
+                f"generator")
 
 
 def load_quality_filter(inner: GeneratorBackend, *, min_confidence: float, max_batch: int, data_dir: Path | None,

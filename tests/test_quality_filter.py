@@ -24,11 +24,12 @@ from fedsynth.errors import ConfigError
 from fedsynth.generator_client import GeneratorInfo
 from fedsynth.v1 import generator_pb2, generator_pb2_grpc
 from generator_service import serve_cmd
-from generator_service.backends import BackendDescription, PartlyUnservable
+from generator_service.backends import BackendDescription, PartlyUnservable, Unservable
 from generator_service.ddpm.sampling import ImageKey
 from generator_service.metrics import GeneratorMetrics
 from generator_service.evaluation.judge import load_or_train_judge
-from generator_service.quality_filter import CANDIDATE_SLACK, CANDIDATES_PER_IMAGE, JudgeScorer, QualityFilter
+from generator_service.batcher import Batcher
+from generator_service.quality_filter import MAX_CANDIDATES, JudgeScorer, QualityFilter
 from generator_service.serve_cmd import GeneratorServer, ServeConfig
 
 HOLDOUT = {"backend": "holdout", "dataset": "digits", "holdout_fraction": 0.2, "seed": 0}
@@ -123,11 +124,86 @@ def test_an_impossible_class_fails_alone_within_its_budget_naming_class_threshol
     with pytest.raises(PartlyUnservable) as caught:
         filtered.sample(_keys([2, 0, 3]))
     message = str(caught.value)
-    assert "min_confidence 0.5" in message and "class 2: the judge accepted 0 of" in message
+    assert "min_confidence 0.5" in message and "class 2: 3 of 3 images had all their 220 candidates rejected" in message
     assert "acceptance rate 0.00%" in message and "class 0" not in message
     assert caught.value.failed_rows == frozenset({2, 3, 4})
     assert (caught.value.images[:2, 0, 0, 0] >= 128).all()  # class 0 was served
-    assert sum(k.class_id == 2 for k in inner.drawn) == CANDIDATES_PER_IMAGE * 3 + CANDIDATE_SLACK
+    assert sum(k.class_id == 2 for k in inner.drawn) == MAX_CANDIDATES * 3  # each image its own 220, no more
+
+
+HARD = 0.99  # PixelScorer accepts a pixel >= 253: 3 of 256 candidates, so some images have none in their first 220
+
+
+def _first_candidate(key: ImageKey) -> int | None:
+    """The contract with its bound, written out: the first of the image's own MAX_CANDIDATES candidates the judge
+    accepts, or None (unservable), whatever else is asked."""
+    backend = NoiseBackend()
+    for a in range(MAX_CANDIDATES):
+        image = backend.sample([ImageKey(key.seed, key.class_id, key.index + a * 2**32)])
+        if PixelScorer().confidence(image, np.array([key.class_id]))[0] >= HARD:
+            return a
+    return None
+
+
+def _own_chain(key: ImageKey) -> bytes | None:
+    a = _first_candidate(key)
+    return None if a is None else NoiseBackend().sample([ImageKey(key.seed, key.class_id, key.index + a * 2**32)]).tobytes()
+
+
+def _outcome(filtered: QualityFilter, keys: list[ImageKey], rows: list[int]) -> list[bytes | None]:
+    try:
+        images = filtered.sample(keys)
+        failed: frozenset[int] = frozenset()
+    except PartlyUnservable as exc:
+        images, failed = exc.images, exc.failed_rows
+    return [None if row in failed else images[row].tobytes() for row in rows]
+
+
+def test_an_image_fails_or_is_served_alike_alone_and_batched_behind_a_large_request_of_its_class() -> None:
+    keys = [ImageKey(7, 0, j) for j in range(40)]
+    expected = [_own_chain(key) for key in keys]
+    assert any(e is None for e in expected) and any(e is not None for e in expected)  # both kinds of image tested
+    big = [ImageKey(3, 0, j) for j in range(64)]  # another client's 64 images of the same (hard) class
+    late = max((row for row in range(40) if expected[row] is not None), key=lambda row: _first_candidate(keys[row]))
+    for row in (expected.index(None), late, 0):
+        alone = _outcome(_filter(HARD, max_batch=80)[0], [keys[row]], [0])
+        behind = _outcome(_filter(HARD, max_batch=80)[0], big + [keys[row]], [64])
+        assert alone == behind == [expected[row]], keys[row]
+    batched = _outcome(_filter(HARD, max_batch=16)[0], big + keys, list(range(64, 104)))
+    assert batched == expected
+
+
+def test_a_request_fails_or_succeeds_alike_alone_and_sharing_a_batcher_batch() -> None:
+    """A 1-image request of a hard class, alone and batched after a 64-image request of that class: the same status
+    and bytes (before, the class's candidate budget was pooled per batch and the earlier rows used it up)."""
+    keys = [ImageKey(7, 0, j) for j in range(40)]
+    expected = [_own_chain(key) for key in keys]
+    unservable = expected.index(None)
+    served = max((row for row in range(40) if expected[row] is not None), key=lambda row: _first_candidate(keys[row]))
+    assert _first_candidate(keys[served]) > 100  # more than its share of a pooled 20 x 65 + 200 candidates
+
+    def request(key: ImageKey, behind: bool) -> bytes | None:
+        batcher = Batcher(_filter(HARD, max_batch=80)[0].sample, max_batch=80, max_wait_s=0.5, queue_limit=1000)
+        try:
+            big = batcher.submit([ImageKey(3, 0, j) for j in range(64)]) if behind else None
+            job = batcher.submit([key])
+            try:
+                result: bytes | None = b"".join(chunk.tobytes() for chunk in job.chunks())
+            except Unservable as exc:
+                assert "min_confidence 0.99: class 0: " in str(exc) and "all their 220 candidates rejected" in str(exc)
+                assert "acceptance rate" in str(exc)
+                result = None
+            if big is not None:
+                try:
+                    list(big.chunks())
+                except Unservable:
+                    pass
+            return result
+        finally:
+            batcher.close()
+
+    for row in (served, unservable):
+        assert request(keys[row], behind=False) == request(keys[row], behind=True) == expected[row]
 
 
 # --- over gRPC: the holdout backend on digits, judged by `fedsynth generator evaluate`'s cached digits judge ---
@@ -255,7 +331,7 @@ def test_an_impossible_threshold_fails_the_request_in_one_clear_status(
     details = caught.value.details()
     assert "min_confidence 0.99" in details and "class 2" in details and "acceptance rate 0.00%" in details
     drawn = server.metrics.registry.get_sample_value("fedsynth_generator_filter_candidates_total", {"class_id": "2"})
-    assert drawn == CANDIDATES_PER_IMAGE * 4 + CANDIDATE_SLACK
+    assert drawn == MAX_CANDIDATES * 4
 
 
 # --- configuration ---

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from fedsynth import grpcutil, tls
+from fedsynth import grpcutil, lifetime, tls
 from fedsynth.data import DATASETS
 from fedsynth.errors import ConfigError
 from fedsynth.generator_names import SERVICE_NAME
@@ -27,6 +28,7 @@ from generator_service.quality_filter import load_quality_filter
 from generator_service.servicer import GeneratorServicer, ServedModel
 
 log = logging.getLogger(__name__)
+LOAD_POLL_S = 0.2  # how often the main thread looks for a stop signal while the backend loads
 
 
 # The flags each backend takes, and those it requires; a flag only other backends take is refused, not ignored.
@@ -265,11 +267,29 @@ def run(args: argparse.Namespace) -> int:
         write_atomic(config.port_file, f"{port}\n")
     if args.metrics_port_file is not None and server.metrics_port is not None:
         write_atomic(args.metrics_port_file, f"{server.metrics_port}\n")
-    try:
-        server.load()
-    except BaseException:
+    # Loading (a model, or training the quality filter's judge: ~15 min for CIFAR-10 on a CPU) runs on a worker
+    # thread, so that a SIGTERM meanwhile ends the process at once instead of after the load.
+    failure: list[BaseException] = []
+
+    def _load() -> None:
+        try:
+            server.load()
+        except BaseException as exc:  # re-raised on the main thread
+            failure.append(exc)
+
+    loader = threading.Thread(target=_load, name="load", daemon=True)
+    loader.start()
+    while loader.is_alive() and not stopped.is_set():
+        loader.join(timeout=LOAD_POLL_S)
+    if loader.is_alive():
+        # Stopped by a signal while loading. Nothing is half-written: the judge cache is only ever written with
+        # write_atomic (a scratch folder renamed into place), so an unfinished judge leaves no cache entry.
+        log.info("stopped by signal while loading the backend")
+        server.close()
+        lifetime.exit_now(lifetime.EXIT_PARENT_GONE)  # 143, as every role stopped by SIGTERM
+    if failure:
         server.stop(grace_s=0)
-        raise
+        raise failure[0]
     stopped.wait()
     server.close()
     log.info("generator stopped")

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -22,12 +27,14 @@ from fedsynth.config import load_config
 from fedsynth.data import load_dataset
 from fedsynth.errors import ConfigError
 from fedsynth.generator_client import GeneratorInfo
+from fedsynth.generator_names import SERVICE_NAME
 from fedsynth.v1 import generator_pb2, generator_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from generator_service import serve_cmd
 from generator_service.backends import BackendDescription, PartlyUnservable, Unservable
 from generator_service.ddpm.sampling import ImageKey
 from generator_service.metrics import GeneratorMetrics
-from generator_service.evaluation.judge import load_or_train_judge
+from generator_service.evaluation.judge import STALE_SCRATCH_S, load_or_train_judge, remove_stale_scratch
 from generator_service.batcher import Batcher
 from generator_service.quality_filter import MAX_CANDIDATES, JudgeScorer, QualityFilter
 from generator_service.serve_cmd import GeneratorServer, ServeConfig
@@ -332,6 +339,71 @@ def test_an_impossible_threshold_fails_the_request_in_one_clear_status(
     assert "min_confidence 0.99" in details and "class 2" in details and "acceptance rate 0.00%" in details
     drawn = server.metrics.registry.get_sample_value("fedsynth_generator_filter_candidates_total", {"class_id": "2"})
     assert drawn == MAX_CANDIDATES * 4
+
+
+def test_sigterm_while_training_the_judge_exits_at_once_with_143_and_caches_nothing(tmp_path: Path) -> None:
+    """`fedsynth generator serve --min-confidence` with no cached judge trains one before serving (CIFAR-10: ~15 min
+    on a CPU); a SIGTERM meanwhile ends it within seconds, as every role, and leaves no judge in the cache."""
+    data = tmp_path / "data"  # 8x8 images like digits, but 40000 of them: training takes long enough to signal it
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 40_000), ("test", 200)):
+        np.savez(data / f"{split}.npz", x=rng.integers(0, 256, (n, 8, 8, 1), dtype=np.uint8), y=np.arange(n) % 10)
+    cache = tmp_path / "cache"
+    log_path = tmp_path / "generator.log"
+    port_file = tmp_path / "generator.port"
+    env = {**os.environ, "FEDSYNTH_CACHE": str(cache)}
+    env.pop("FEDSYNTH_PARENT_PID", None)
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fedsynth.cli", "generator", "serve", "--backend", "holdout", "--dataset", "npz",
+             "--data-dir", str(data), "--holdout-fraction", "0.2", "--seed", "0", "--min-confidence", "0.9", "--threads", "1", "--port", "0",
+             "--port-file", str(port_file), "--insecure"],
+            stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not port_file.exists():  # bound: health answers while the backend and the judge load
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, f"no port file:\n{log_path.read_text()}"
+            time.sleep(0.02)
+        channel = grpcutil.make_channel(f"127.0.0.1:{int(port_file.read_text())}")
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10)
+        channel.close()
+        health = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        while "training the judge" not in log_path.read_text():
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, f"the judge's training never began:\n{log_path.read_text()}"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        code = proc.wait(timeout=15)
+        took = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = log_path.read_text()
+    assert health == "NOT_SERVING", output
+    assert "judge trained in" not in output, "the judge finished before the signal: the test proved nothing"
+    assert code == 143 and took < 5.0, (code, took, output)
+    assert "stopped by signal while loading the backend" in output
+    judges = cache / "judges"
+    assert not judges.exists() or not [p for p in judges.rglob("*") if p.name == "judge.json"], list(judges.rglob("*"))
+    assert not judges.exists() or not list(judges.iterdir()), list(judges.iterdir())
+
+
+def test_stale_judge_scratch_folders_are_removed_and_fresh_ones_kept(tmp_path: Path) -> None:
+    folder = tmp_path / "digits-cnn-seed0-abc"
+    stale, fresh, other = (tmp_path / f".{folder.name}-1.tmp", tmp_path / f".{folder.name}-2.tmp",
+                           tmp_path / ".cifar10-cnn-seed0-def-3.tmp")
+    for scratch in (stale, fresh, other):
+        (scratch / folder.name).mkdir(parents=True)
+        (scratch / folder.name / "weights.safetensors").write_bytes(b"half")
+    old = time.time() - STALE_SCRATCH_S - 60
+    for scratch in (stale, other):
+        os.utime(scratch, (old, old))
+    remove_stale_scratch(folder)
+    assert not stale.exists() and fresh.exists() and other.exists()  # another judge's scratch is its own writer's
 
 
 # --- configuration ---

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ JUDGE_FILE = "judge.json"
 WEIGHTS_FILE = "weights.safetensors"
 REFERENCE_FILE = "reference.npz"
 FORMAT = 1  # bump when the cache layout or the training code changes meaning
+STALE_SCRATCH_S = 3600.0  # write_atomic's scratch folder of a judge, this old: its writer was killed mid-write
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,7 @@ def load_or_train_judge(dataset: str, *, data_dir: Path | None, seed: int, recip
         (tmp / JUDGE_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
     if not (folder / JUDGE_FILE).is_file():  # another process may have finished the same judge meanwhile
+        remove_stale_scratch(folder)
         try:
             write_atomic(folder, write)
         except OSError as exc:  # a folder left without judge.json (or a race): keep going, uncached
@@ -167,6 +170,18 @@ def load_or_train_judge(dataset: str, *, data_dir: Path | None, seed: int, recip
     log.info("judge trained in %.1fs: test accuracy %.4f", meta["train_seconds"], meta["test_accuracy"])
     return Judge(model, recipe, dataset, train.num_classes, train.image_shape, folder, meta["test_accuracy"],
                  meta["train_accuracy"], reference, False, time.perf_counter() - started)
+
+
+def remove_stale_scratch(folder: Path) -> None:
+    """Delete what a process killed while writing `folder` left beside it (write_atomic's `.<name>-*.tmp` scratch
+    folder; lookups never read it). Only scratch older than STALE_SCRATCH_S: a younger one may be another process's
+    write in progress (a write takes well under a second)."""
+    for scratch in folder.parent.glob(f".{folder.name}-*.tmp"):
+        try:
+            if time.time() - scratch.stat().st_mtime > STALE_SCRATCH_S:
+                shutil.rmtree(scratch, ignore_errors=True)
+        except OSError:  # gone meanwhile
+            pass
 
 
 def describe(judge: Judge) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 log = logging.getLogger("launcher")
 START_TIMEOUT_S = 120.0
 JUDGE_START_TIMEOUT_S = 3600.0  # a generator with the quality filter may first train its judge (CIFAR-10 on a CPU)
+SERVING_POLL_S = 5.0  # while waiting for the generator's SERVING, how often to check that it is still running
 EXIT_TIMEOUT_S = 60.0  # for the coordinator after its last message; clients get less once it is gone
 
 
@@ -113,18 +114,21 @@ class Launcher:
         return address
 
     def _wait_for_serving(self, channel: grpc.Channel, child: Child) -> None:
-        """Until the generator says SERVING; longer when it may train a judge first, failing at once if it exits."""
+        """Until the generator says SERVING; longer when it may train a judge first. Health is asked in windows of
+        SERVING_POLL_S with the child polled after each, so a generator that exits while loading fails the start at
+        once (within SERVING_POLL_S), not after the whole limit."""
         limit = JUDGE_START_TIMEOUT_S if self.cfg.generation.min_confidence > 0 else START_TIMEOUT_S
         stop_at = time.monotonic() + limit
         while True:
             try:
-                grpcutil.wait_for_serving(channel, SERVICE_NAME, timeout_s=min(START_TIMEOUT_S, stop_at - time.monotonic()))
+                grpcutil.wait_for_serving(channel, SERVICE_NAME,
+                                          timeout_s=min(SERVING_POLL_S, max(0.0, stop_at - time.monotonic())))
                 return
             except TimeoutError:
                 if child.process.poll() is not None:
                     raise ChildFailed(child, child.process.returncode, "exited before serving") from None
                 if time.monotonic() >= stop_at:
-                    raise
+                    raise TimeoutError(f"the generator was not SERVING within {limit:.0f}s") from None
 
     def start_coordinator(self) -> str:
         port_file = self.out_dir / "coordinator.port"

@@ -19,8 +19,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from deploy.generator_setup import check_backend, serve_arguments
-from deploy.launcher import Launcher
-from deploy.processes import ProcessGroup
+from deploy.launcher import SERVING_POLL_S, Launcher
+from deploy.processes import Child, ChildFailed, ProcessGroup
 from deploy.report import quality_filter
 from fedsynth import cli, grpcutil
 from fedsynth.config import load_config
@@ -426,6 +426,26 @@ def test_serve_refuses_a_bad_min_confidence(value: float) -> None:
     serve_cmd.add_arguments(parser)
     args = parser.parse_args(["--backend", "holdout", "--min-confidence", str(value)])
     assert args.min_confidence == value
+
+
+def test_the_launcher_reports_a_generator_that_exits_while_loading_at_once(tmp_path: Path) -> None:
+    """With min_confidence the launcher waits up to an hour for SERVING (a judge may be training), but a generator
+    that exits meanwhile (e.g. its dataset is missing) fails the start within SERVING_POLL_S, not after 120 s."""
+    cfg = load_config(None, ["generation.backend=holdout", "data.holdout_fraction=0.2", "generation.min_confidence=0.5"])
+    launcher = Launcher(cfg, argparse.Namespace(config=None, set=[]), tmp_path)
+    process = subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(0.5); sys.exit(1)"])
+    channel = grpcutil.make_channel("127.0.0.1:1")  # nothing answers health there
+    started = time.monotonic()
+    try:
+        with pytest.raises(ChildFailed, match="exited before serving") as caught:
+            launcher._wait_for_serving(channel, Child("generator", process, tmp_path / "generator.log"))
+    finally:
+        channel.close()
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+    assert caught.value.exit_code == 1
+    assert time.monotonic() - started < SERVING_POLL_S + 3.0
 
 
 def test_the_launcher_passes_min_confidence_and_refuses_it_for_a_running_generator(tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger("launcher")
 START_TIMEOUT_S = 120.0
+CLIENTS_GONE_GRACE_S = 15.0  # every client node exited, one with an error: the coordinator gets this long to end the run
 JUDGE_START_TIMEOUT_S = 3600.0  # a generator with the quality filter may first train its judge (CIFAR-10 on a CPU)
 SERVING_POLL_S = 5.0  # while waiting for the generator's SERVING, how often to check that it is still running
 EXIT_TIMEOUT_S = 60.0  # for the coordinator after its last message; clients get less once it is gone
@@ -71,6 +72,7 @@ class Launcher:
         self.scoring_s = 0.0  # scoring the generator after the run: not part of the run's wall-clock
         self.interrupted = False  # a stop signal arrived while scoring: the run's report is still written
         self._following = False
+        self.abandoned: Child | None = None  # every client node exited, this one first with an error
         self.failures: list[dict[str, object]] = []  # children that exited non-zero on their own, in that order
         # runtime.tls_dir: every role over mutual TLS, the launcher itself as `operator`; else plaintext on this machine.
         tls_dir = cfg.runtime.tls_dir
@@ -177,6 +179,10 @@ class Launcher:
                 if self.args.no_progress:
                     log.info("round %d/%d accuracy %.4f loss %.4f (%.1fs)", summary.round, total, summary.accuracy, summary.loss, summary.duration_s)
         except grpc.RpcError as exc:
+            if self.abandoned is not None:
+                child = self.abandoned
+                raise ChildFailed(child, child.process.returncode, "exited, and so did every other client node: the run "
+                                  f"cannot go on:\n  {log_tail(child)}") from None
             log.error("lost the coordinator's progress stream: %s", exc.details() if isinstance(exc, grpc.Call) else exc)
             return False
         finally:
@@ -210,12 +216,22 @@ class Launcher:
         return code
 
     def _watch_children(self, call: grpc.Future) -> None:
-        """Stop following when the coordinator process is gone; say so when a child fails early."""
+        """Stop following when the coordinator process is gone, or when every client node has exited and one failed
+        (the coordinator would wait out its deadlines for clients that will never come); say so when a child fails."""
+        gone_since = None
         while self._following:
             self.note_failures()
             if self.coordinator.process.poll() is not None:
                 call.cancel()
                 return
+            clients = [c for c in self.group.children if c.role.startswith("client")]
+            codes = [c.process.poll() for c in clients]
+            if clients and None not in codes and any(codes):
+                gone_since = gone_since or time.monotonic()
+                if time.monotonic() - gone_since > CLIENTS_GONE_GRACE_S:  # the coordinator's own verdict had its chance
+                    self.abandoned = next(c for c, code in zip(clients, codes) if code)
+                    call.cancel()
+                    return
             time.sleep(0.5)
 
     def score_generator(self, address: str | None, counters: dict[str, Any] | None) -> dict[str, Any] | None:

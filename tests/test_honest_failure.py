@@ -66,3 +66,21 @@ def test_launcher_report_names_the_failed_process(tmp_path: Path) -> None:
     assert {f["process"] for f in report["failures"]} == {"coordinator", "client-0-0", "client-1-1"}
     assert "run failed: coordinator" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_launcher_ends_a_run_whose_client_nodes_all_failed(tmp_path: Path) -> None:
+    """Each node's DP-GAN overruns its deadline (runtime.registration_timeout_s) and the node exits 1; the coordinator
+    would wait registration + round timeout (620 s) for uploads that never come. The launcher ends it instead."""
+    out = tmp_path / "run"
+    settings = {"data.clients": 2, "train.rounds": 1, "train.algorithm": "sdafl", "generation.policy": "none",
+                "sdafl.gan_steps": 1_000_000, "runtime.registration_timeout_s": 40, "runtime.round_timeout_s": 580}
+    sets = [item for o in overrides(settings) for item in ("--set", o)]
+    started = time.monotonic()
+    done = subprocess.run(fedsynth_command("run", *sets, "--out-dir", str(out), "--no-progress"),
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 1, done.stderr[-3000:]  # the nodes' own code: a setting to change (sdafl.gan_steps)
+    assert time.monotonic() - started < 200
+    report = json.loads((out / "report.json").read_text())
+    first = report["failures"][0]
+    assert first["process"].startswith("client-") and "every other client node" in first["reason"]
+    assert "lower sdafl.gan_steps" in first["reason"] and report["exit_code"] == 1

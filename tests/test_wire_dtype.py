@@ -210,19 +210,20 @@ def test_mismatched_and_overflowed_updates_are_refused_over_the_wire_and_the_mod
 
 # ---- end to end: float16 against float32 on digits -------------------------------------------------
 
-E2E = {"seed": 3, "data.clients": 3, "train.rounds": 2, "train.local_epochs": 3}
+# A runtime setting, results unchanged: client processes starved for 180 s at load average 113 never registered.
+E2E = {"seed": 3, "data.clients": 3, "train.rounds": 2, "train.local_epochs": 3, "runtime.registration_timeout_s": 300.0}
 
 
 def fedsynth_run(out: Path, settings: dict[str, Any]) -> dict[str, Any]:
     sets = [item for o in overrides(settings) for item in ("--set", o)]
     done = subprocess.run(fedsynth_command("run", *sets, "--out-dir", str(out), "--no-progress"),
-                          capture_output=True, text=True, timeout=400)
+                          capture_output=True, text=True, timeout=500)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((out / "report.json").read_text())
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1100)
 def test_a_float16_run_receives_half_the_bytes_at_about_the_same_accuracy(tmp_path: Path) -> None:
     full = fedsynth_run(tmp_path / "float32", E2E)
     half = fedsynth_run(tmp_path / "float16", {**E2E, "runtime.wire_dtype": "float16"})

@@ -21,11 +21,13 @@ from fedsynth.errors import QuorumError, WireError
 
 log = logging.getLogger(__name__)
 REFERENCE_MAX_SAMPLES = 10_000
+REFERENCE_TIMEOUT_S = 3600.0  # logistic regression on 10,000 CIFAR images: minutes on a crowded CPU, bounded by max_iter
 
 
 class ReferenceClassifier:
     """A centrally trained logistic regression on the real training split. It stands in for the 'true class'
-    of unlabelled GAN samples when the harness reports pseudo-label agreement; it is never used for training."""
+    of unlabelled GAN samples when the harness reports pseudo-label agreement; it is never used for training.
+    It trains on a thread of its own: on CIFAR-10 that takes minutes on a CPU, which must not delay the server."""
 
     def __init__(self, train: ArrayDataset, seed: int) -> None:
         from sklearn.linear_model import LogisticRegression
@@ -33,13 +35,27 @@ class ReferenceClassifier:
         rng = np.random.default_rng(seed)
         keep = rng.permutation(len(train.y))[:REFERENCE_MAX_SAMPLES]
         self.model = LogisticRegression(max_iter=300)
-        self.model.fit(self._features(train.x[keep]), train.y[keep])
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._fit, args=(self._features(train.x[keep]), train.y[keep]),
+                                        name="sdafl-reference", daemon=True)
+        self._thread.start()
+
+    def _fit(self, x: np.ndarray, y: np.ndarray) -> None:
+        try:
+            self.model.fit(x, y)
+        except BaseException as exc:  # raised to the caller of predict
+            self._failure = exc
 
     @staticmethod
     def _features(x: np.ndarray) -> np.ndarray:
         return x.reshape(len(x), -1).astype(np.float32) / 255.0
 
     def predict(self, x: np.ndarray) -> np.ndarray:
+        self._thread.join(timeout=REFERENCE_TIMEOUT_S)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the SDA-FL reference classifier did not finish training within {REFERENCE_TIMEOUT_S:.0f}s")
+        if self._failure is not None:
+            raise RuntimeError(f"the SDA-FL reference classifier failed to train: {self._failure}") from self._failure
         return self.model.predict(self._features(x))
 
 

@@ -410,6 +410,7 @@ def test_fedeas_ablation_keys_read_from_set_and_change_the_fingerprint_only_off_
     later = {key: content["generation"].pop(key) for key in ("prompt_template", "class_names_file") if key in content["generation"]}
     assert later in ({}, {"prompt_template": "a photo of a {name}", "class_names_file": None})  # text2image's, at defaults
     assert content["generation"].pop("min_confidence") == 0.0  # the quality filter's, off
+    content["generation"].pop("evaluate_per_class")  # scoring the generator after the run: never in the fingerprint
     assert paper.fingerprint() == hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
     fingerprints = {paper.fingerprint(), ablated.fingerprint(),
                     load_config(None, ["generation.exponent=1.0"]).fingerprint(),

@@ -196,8 +196,9 @@ class _Coordinator:
     def __init__(self) -> None:
         self.models: list[StateDict] = []
 
-    def SubmitUpdate(self, messages: list[pb.UpdateChunk], timeout: float) -> None:  # noqa: N802 - the gRPC name
-        header, *chunks = list(messages)
+    def SubmitUpdate(self, messages: list[pb.UpdateChunk | bytes], timeout: float) -> None:  # noqa: N802 - the gRPC name
+        # the client frames its chunk messages by hand (fedsynth.raw_messages): bytes, parsed here as the server would
+        header, *chunks = [m if isinstance(m, pb.UpdateChunk) else pb.UpdateChunk.FromString(m) for m in messages]
         meta = codec.PayloadMeta(header.header.payload.total_bytes, header.header.payload.sha256, header.header.payload.num_chunks)
         data = codec.assemble(meta, ((m.chunk.seq, m.chunk.data) for m in chunks))
         self.models.append(codec.split_prefixed(codec.decode(data))["model"])
@@ -221,6 +222,7 @@ def test_a_client_node_keeps_moons_previous_model_across_rounds_and_a_restarted_
         task = pb.Task(round=round_number, task_id=f"t{round_number}", deadline_s=60.0,
                        payload=pb.Payload(total_bytes=meta.total_bytes, sha256=meta.sha256, num_chunks=meta.num_chunks))
         stream = iter([pb.ServerMessage(chunk=pb.Chunk(seq=seq, data=data)) for seq, data in codec.split(payload)])
+        client._submit_update = coordinator.SubmitUpdate  # what run() sets up from the channel
         client._do_task(coordinator, "session", task, stream)
         return coordinator.models[-1]
 

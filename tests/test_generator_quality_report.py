@@ -42,7 +42,6 @@ def test_the_holdout_generator_is_scored_near_the_judges_accuracy_once_then_from
         k: v for k, v in quality.items() if k not in ("cached", "seconds")}
     assert (tmp_path / "again" / "plots" / "generator-grid.png").is_file()
 
-    assert run(tmp_path, "off", "generation.evaluate_per_class=0")["generation"]["quality"] is None
 
 
 def test_scoring_the_generator_is_not_part_of_a_runs_identity() -> None:

@@ -79,13 +79,10 @@ def cifar_shaped(folder: Path, classes: int, train: int, test: int) -> Path:
     return folder
 
 
-@pytest.mark.parametrize(
-    ("dataset", "arm", "federation"),
-    [("cifar100", "fedgen-fedeas", FEDERATIONS[1]), ("cifar10", "moon-fedeas", FEDERATIONS[0])],
-    ids=("cifar100-K100-fedgen-fedeas", "cifar10-K20-moon-fedeas"),
-)
-def test_an_arm_runs_a_round_of_resnet18_on_a_cpu(tmp_path: Path, dataset: str, arm: str, federation: tuple[int, float, int]) -> None:
-    """One round, one local step, the holdout backend standing in for the DDPM: the paper's arm starts on a CPU."""
+def test_an_arm_runs_a_round_of_resnet18_on_a_cpu(tmp_path: Path) -> None:
+    """One round, one local step, the holdout backend standing in for the DDPM: the paper's arm starts on a CPU
+    (K = 100 in four nodes of 25; every arm of paper-cifar100.toml did the same once, docs/experiments.md)."""
+    dataset, arm, federation = "cifar100", "fedgen-fedeas", FEDERATIONS[1]
     data = cifar_shaped(tmp_path / "data", NUM_CLASSES[dataset], train=20_000, test=200)
     smoke = [*federation_overrides(*federation), f"data.data_dir={json.dumps(str(data))}", "data.holdout_fraction=0.2",
              "generation.backend=holdout", "train.rounds=1", "train.max_steps=1", "runtime.round_timeout_s=300",
@@ -102,3 +99,4 @@ def test_an_arm_runs_a_round_of_resnet18_on_a_cpu(tmp_path: Path, dataset: str, 
     sampled = round(federation[0] * federation[1])
     assert (report["config"]["train"]["model"], report["config"]["train"]["algorithm"]) == ("resnet18", arm.removesuffix("-fedeas"))
     assert len(round_1["participants"]) == sampled and report["generation"]["total_images"] > 0
+    assert report["generation"]["quality"] is None  # generation.evaluate_per_class = 0: not scored

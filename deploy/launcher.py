@@ -274,17 +274,17 @@ class Launcher:
             "images_total": int(total(values, IMAGES_TOTAL)),
             "device_seconds": total(values, DEVICE_SECONDS_TOTAL),
             "requests_total": int(total(values, REQUESTS_TOTAL)),
-            **filter_counters(values),
+            "quality_filter": filter_counters(values),
         }
 
 
-def filter_counters(values: dict[str, float]) -> dict[str, Any]:
-    """The quality filter's threshold and cost (absent when it was off): candidates drawn, accepted, rejected and
+def filter_counters(values: dict[str, float]) -> dict[str, Any] | None:
+    """The quality filter's threshold and cost (None when it was off): candidates drawn, accepted, rejected and
     spare, rejected per class, the acceptance rate (accepted / judged), the sampling time of the candidates not served
     and the judge's time (both inside device_seconds)."""
     min_confidence = total(values, FILTER_MIN_CONFIDENCE)
     if not min_confidence:
-        return {}
+        return None
     candidates = int(total(values, FILTER_CANDIDATES_TOTAL))
     accepted = int(total(values, FILTER_ACCEPTED_TOTAL))
     rejected = int(total(values, FILTER_REJECTED_TOTAL))

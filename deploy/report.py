@@ -65,7 +65,7 @@ def build_report(
             "wall_seconds": float(max((g.get("wall_seconds", 0.0) for g in per_client.values()), default=0.0)),
             "cache_hits": sorted(cid for cid, g in per_client.items() if g.get("cache_hit")),
             "generator": generator_counters,
-            "quality_filter": quality_filter(generator_counters),
+            "quality_filter": (generator_counters or {}).get("quality_filter"),
             # the judge's figures for this generator (deploy/generator_quality.py), or {"error": ...}; None: not scored
             "quality": generator_quality,
             "backend": (generator_counters or {}).get("backend") or config.get("generation", {}).get("backend"),
@@ -80,16 +80,6 @@ def build_report(
         },
         "processes": processes,
     }
-
-
-def quality_filter(generator_counters: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The quality filter's threshold and extra cost, from the generator's counters; None when it was off."""
-    counters = generator_counters or {}
-    if not counters.get("min_confidence"):
-        return None
-    keys = ("min_confidence", "candidates_total", "accepted_total", "rejected_total", "spare_total", "rejected_per_class",
-            "acceptance_rate", "unserved_device_seconds", "judge_seconds")
-    return {key: counters.get(key) for key in keys}
 
 
 def load_coordinator_record(run_dir: Path) -> dict[str, Any]:

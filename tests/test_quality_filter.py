@@ -21,7 +21,6 @@ from prometheus_client import CollectorRegistry
 from deploy.generator_setup import check_backend, serve_arguments
 from deploy.launcher import SERVING_POLL_S, Launcher
 from deploy.processes import Child, ChildFailed, ProcessGroup
-from deploy.report import quality_filter
 from fedsynth import cli, grpcutil
 from fedsynth.config import load_config
 from fedsynth.data import load_dataset
@@ -284,7 +283,8 @@ def test_exact_counts_the_same_bytes_in_other_batches_and_the_cost_reported(
     launcher = Launcher(cfg, argparse.Namespace(config=None, set=[]), tmp_path)
     launcher.generator_metrics_file = tmp_path / "generator.metrics-port"
     counters = launcher.generator_counters()
-    report = quality_filter(counters)
+    assert counters is not None
+    report = counters["quality_filter"]
     assert report is not None and report["min_confidence"] == 0.9
     assert (report["candidates_total"], report["accepted_total"], report["rejected_total"], report["spare_total"]) == (
         sum(candidates), 300, sum(rejected), sum(candidates) - 300 - sum(rejected))

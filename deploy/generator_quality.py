@@ -27,9 +27,11 @@ CACHE_FORMAT = 1  # bump when `fedsynth generator evaluate`'s recipe changes: ol
 
 
 def cache_key(cfg: RunConfig, counters: dict[str, Any]) -> str:
-    """Same generator (backend and model id, which fold in its weights or held-out split), same data, same figures."""
+    """Same generator (backend and model id, which fold in its weights or held-out split, on the same device and
+    dtype: float16 on a GPU draws other images than float32 on a CPU), same data, same figures."""
     g = cfg.generation
     identity = {"format": CACHE_FORMAT, "backend": counters.get("backend"), "model_id": counters.get("model_id"),
+                "device": counters.get("device"), "dtype": counters.get("dtype"),
                 "dataset": cfg.data.dataset, "data_dir": str(Path(cfg.data.data_dir).resolve()) if cfg.data.data_dir else None,
                 "per_class": g.evaluate_per_class, "min_confidence": g.min_confidence, "seed": 0}
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]

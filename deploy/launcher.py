@@ -271,6 +271,8 @@ class Launcher:
         return {
             "backend": served.get("backend", self.cfg.generation.backend),
             "model_id": served.get("model_id", ""),
+            "device": served.get("device", ""),
+            "dtype": served.get("dtype", ""),
             "images_total": int(total(values, IMAGES_TOTAL)),
             "device_seconds": total(values, DEVICE_SECONDS_TOTAL),
             "requests_total": int(total(values, REQUESTS_TOTAL)),

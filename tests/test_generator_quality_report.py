@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from deploy.generator_quality import cache_key
 from fedsynth.config import load_config
 
 RUN = ["data.clients=3", "runtime.clients_per_process=3", "train.rounds=1", "train.local_epochs=1",
@@ -43,9 +44,17 @@ def test_the_holdout_generator_is_scored_near_the_judges_accuracy_once_then_from
     assert (tmp_path / "again" / "plots" / "generator-grid.png").is_file()
 
 
-
 def test_scoring_the_generator_is_not_part_of_a_runs_identity() -> None:
     """A checkpoint resumes whatever generation.evaluate_per_class says: the default fingerprint is the one from
     before the key existed."""
     fingerprints = {load_config(None, [f"generation.evaluate_per_class={n}"]).fingerprint() for n in (0, 2, 50)}
     assert fingerprints == {"a131c5ba3d48046d"}
+
+
+def test_the_figures_are_cached_per_generator_device_and_dtype() -> None:
+    cfg = load_config(None, [])
+    served = {"backend": "ddpm", "model_id": "digits-tiny-s10-w0", "device": "cpu", "dtype": "float32"}
+    assert cache_key(cfg, served) == cache_key(cfg, dict(served))
+    others = [{**served, "device": "cuda", "dtype": "float16"}, {**served, "dtype": "bfloat16"},
+              {**served, "model_id": "digits-tiny-s20-w0"}]
+    assert len({cache_key(cfg, served), *(cache_key(cfg, other) for other in others)}) == 4

@@ -22,7 +22,7 @@ from fedsynth.data import DATASETS
 from fedsynth.errors import ConfigError
 from fedsynth.runtime import write_json
 from generator_service.backends import get_backend
-from generator_service.evaluation.judge import default_recipe, load_or_train_judge
+from generator_service.evaluation.judge import default_recipe, load_or_train_judge, resolve_judge_device
 from generator_service.evaluation.sources import GeneratedImages, from_address, from_backend, from_npz
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0,
                         help="seeds the judge, the image request and the CAS classifier (default %(default)s)")
     parser.add_argument("--judge-model", choices=MODELS, default="cnn", help="the judge's architecture (default %(default)s)")
+    parser.add_argument("--judge-device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where the judge and the CAS classifier train and score: auto = cuda when torch sees a GPU "
+                             "(a GPU-trained judge is cached apart from a CPU one) (default %(default)s)")
     parser.add_argument("--judge-epochs", type=int, default=None, help="judge training epochs (default: 10 for 8x8, 15 for 32x32)")
     parser.add_argument("--judge-cache", type=Path, default=None,
                         help="folder of cached judges (default $FEDSYNTH_CACHE/judges or ~/.cache/fedsynth/judges)")
@@ -131,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     started = time.perf_counter()
     _check(args)
+    judge_device = resolve_judge_device(args.judge_device)  # before any image is drawn or judge trained
     if args.threads:
         import torch
 
@@ -148,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     recipe = default_recipe(image_size, args.judge_model)
     if args.judge_epochs is not None:
         recipe = dataclasses.replace(recipe, epochs=args.judge_epochs)
-    judge = load_or_train_judge(dataset, data_dir=args.data_dir, seed=args.seed, recipe=recipe, root=args.judge_cache)
+    judge = load_or_train_judge(dataset, data_dir=args.data_dir, seed=args.seed, recipe=recipe, root=args.judge_cache,
+                                device=judge_device)
     _check_match(generated, judge.num_classes, judge.image_shape, dataset)
     result = evaluate_images(judge, generated, seed=args.seed, data_dir=args.data_dir)
     result["seconds"]["total"] = time.perf_counter() - started

@@ -4,6 +4,8 @@ one line and exit 1."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import subprocess
@@ -13,8 +15,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from fedsynth import cli
+from fedsynth.data import load_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACT_KEYS = ("recognizability", "per_class_recognizability", "cas", "frechet", "judge_test_accuracy")
@@ -151,3 +155,43 @@ def test_a_served_generator_gives_the_same_figures_as_the_same_backend_in_proces
         _assert_one_error_line(capsys.readouterr().err, "answered INVALID_ARGUMENT")
     finally:
         server.stop(0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: --judge-device cuda is valid here")
+def test_judge_device_cuda_without_a_gpu_is_one_line_and_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(["generator", "evaluate", "--backend", "holdout", "--dataset", "digits", "--holdout-fraction", "0.2",
+                     "--judge-device", "cuda", "--threads", "1"])
+    assert code == 1
+    _assert_one_error_line(capsys.readouterr().err, "--judge-device cuda was asked for but torch sees no CUDA device")
+
+
+def _key_before_judge_device(dataset: str, data_dir: Path | None, seed: int, recipe: Any) -> str:
+    """The cache folder name exactly as it was computed before --judge-device existed (no device in the key)."""
+    from generator_service.evaluation.judge import FORMAT, _data_digest
+
+    key = {"format": FORMAT, "dataset": dataset, "data_dir": None if data_dir is None else str(Path(data_dir).resolve()),
+           "seed": seed, "recipe": dataclasses.asdict(recipe),
+           "train_sha256": _data_digest(load_dataset(dataset, "train", data_dir=data_dir))}
+    return f"{dataset}-{recipe.model}-seed{seed}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}"
+
+
+def test_a_cpu_judge_keeps_its_cache_folder_and_a_gpu_judge_gets_another(tmp_path: Path, judges: Path,
+                                                                       holdout: dict[str, Any]) -> None:
+    from generator_service.evaluation.judge import JUDGE_FILE, _data_digest, default_recipe, judge_key
+
+    recipe = default_recipe(8)
+    before = _key_before_judge_device("digits", None, 0, recipe)
+    digest = _data_digest(load_dataset("digits", "train"))
+    cpu_key, cpu_name = judge_key("digits", data_dir=None, seed=0, recipe=recipe, train_sha256=digest, device="cpu")
+    cuda_key, cuda_name = judge_key("digits", data_dir=None, seed=0, recipe=recipe, train_sha256=digest, device="cuda")
+    assert cpu_name == before and "device" not in cpu_key  # judges cached before the flag are still found
+    assert cuda_name != cpu_name and cuda_key["device"] == "cuda"
+    # An explicit --judge-device cpu uses that folder, whose judge.json records the key its name is the hash of.
+    again = _evaluate(tmp_path, judges, "--backend", "holdout", "--dataset", "digits", "--holdout-fraction", "0.2",
+                      "--judge-device", "cpu")
+    folder = Path(again["judge"]["folder"])
+    assert again["judge"]["device"] == "cpu" and folder.name == before
+    assert json.loads((folder / JUDGE_FILE).read_text())["key"] == cpu_key
+    if holdout["judge"]["device"] == "cpu":  # auto chose the CPU here: the same judge, read from its cache
+        assert again["judge"]["cached"] and holdout["judge"]["folder"] == again["judge"]["folder"]
+        assert again["recognizability"] == holdout["recognizability"] and again["cas"] == holdout["cas"]

@@ -29,7 +29,7 @@ def evaluate_images(judge: Judge, generated: GeneratedImages, *, seed: int, data
     scored_s = time.perf_counter() - started
     cas_started = time.perf_counter()
     synthetic = ArrayDataset(judge.dataset, generated.images, generated.labels, c)
-    classifier = train_classifier(judge.recipe, synthetic, seed, steps=judge.recipe.cas_steps)
+    classifier = train_classifier(judge.recipe, synthetic, seed, steps=judge.recipe.cas_steps, device=judge.device)
     cas = accuracy(classifier, test)
     return {
         "recognizability": overall,

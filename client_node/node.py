@@ -19,10 +19,9 @@ from client_node.metrics import ClientMetrics
 from client_node.sdafl_client import ensure_samples, upload
 from client_node.synthesis import SyntheticSet, fedeas_total, synthesize
 from fedsynth import codec, grpcutil, wire_dtype
-from fedsynth.assembly import algorithm_for, client_seed, client_shard, local_train_config, round_generator
+from fedsynth.assembly import algorithm_for, client_seed, client_shard, local_train_config, model_for, round_generator
 from fedsynth.config import RunConfig, from_json
 from fedsynth.errors import FedsynthError, StopRequested, WireError
-from fedsynth.models import build_model
 from fedsynth.raw_messages import submit_update_call
 from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_OK
 from fedsynth.tensor_buffer import decode_views, encode_to_buffer
@@ -180,7 +179,7 @@ class LogicalClient:
 
     def _prepare(self, cfg: RunConfig) -> ClientState:
         shard = client_shard(cfg, self.client_id)
-        self.model = build_model(cfg.train.model, num_classes=shard.num_classes, in_channels=shard.image_shape[0], image_size=shard.image_shape[1])
+        self.model = model_for(cfg, num_classes=shard.num_classes, in_channels=shard.image_shape[0], image_size=shard.image_shape[1])
         self.algorithm = algorithm_for(cfg)
         self.num_classes = shard.num_classes
         return ClientState(cfg, shard.x, shard.y)

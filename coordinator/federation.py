@@ -30,11 +30,10 @@ from coordinator.sdafl_server import SdaflServer
 from coordinator.updates import local_state, receive_update
 from fedsynth import codec
 from fedsynth.algorithms.fedgen import FedGen, head_keys
-from fedsynth.assembly import algorithm_for
+from fedsynth.assembly import algorithm_for, model_for
 from fedsynth.config import RunConfig
 from fedsynth.data import load_dataset
 from fedsynth.errors import StateError
-from fedsynth.models import build_model
 from fedsynth.training import TrainData, images_to_tensor
 
 log = logging.getLogger(__name__)
@@ -51,7 +50,7 @@ class Federation:
         test_data = TrainData(images_to_tensor(test.x), torch.as_tensor(test.y))
         channels, height, _ = test.image_shape
         torch.manual_seed(cfg.seed)
-        model = build_model(cfg.train.model, num_classes=test.num_classes, in_channels=channels, image_size=height)
+        model = model_for(cfg, num_classes=test.num_classes, in_channels=channels, image_size=height)
         self.state = RunState(model, algorithm, run_id=self.run_id, seed=cfg.seed)
         self.sdafl = SdaflServer(cfg, test.image_shape, test.num_classes) if cfg.train.algorithm == "sdafl" else None
         self.mean_pool = None  # FedMix / NaiveMix: the clients' pooled mean data

@@ -7,13 +7,14 @@ import threading
 import zlib
 
 import numpy as np
-
 import torch
+from torch import nn
 
 from fedsynth.algorithms import Algorithm, get_algorithm
 from fedsynth.config import DataConfig, RunConfig
 from fedsynth.data import ArrayDataset, load_dataset
 from fedsynth.errors import FedsynthError
+from fedsynth.models import ProjectedModel, build_model
 from fedsynth.partition import partition_for
 from fedsynth.training import LocalTrainConfig
 
@@ -26,6 +27,16 @@ def algorithm_for(cfg: RunConfig) -> Algorithm:
         params.setdefault("lambda2", cfg.sdafl.lambda2)
         params.setdefault("mixup_alpha", cfg.sdafl.mixup_alpha)
     return get_algorithm(cfg.train.algorithm, **params)
+
+
+def model_for(cfg: RunConfig, *, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
+    """The run's model: `train.model`, with MOON's projection head when the algorithm is MOON (projection_dim > 0).
+    Weights come from torch's global RNG, as build_model's do."""
+    model = build_model(cfg.train.model, num_classes=num_classes, in_channels=in_channels, image_size=image_size)
+    projection_dim = getattr(algorithm_for(cfg), "projection_dim", 0) if cfg.train.algorithm == "moon" else 0
+    if projection_dim:
+        model = ProjectedModel(model, num_classes=num_classes, projection_dim=projection_dim)
+    return model
 
 
 def local_train_config(cfg: RunConfig) -> LocalTrainConfig:

@@ -56,7 +56,9 @@ ALGORITHM_PARAMS: dict[str, dict[str, Bound]] = {
     "fedavg": {},
     "fedprox": {"mu": Bound(0)},
     "scaffold": {"num_clients": Bound(1, integer=True), "global_lr": Bound(0, strict=True)},
-    "moon": {"mu": Bound(0), "temperature": Bound(0, strict=True)},
+    # MOON's projection head (the authors' l1-ReLU-l2 MLP to 256-d, classifier on its output); 0: contrast the
+    # representation itself.
+    "moon": {"mu": Bound(0), "temperature": Bound(0, strict=True), "projection_dim": Bound(0, integer=True)},
     "sdafl": {"lambda2": Bound(0), "mixup_alpha": Bound(0, strict=True)},
     # M images per mean (M = 1 would upload raw images) and the mixup weight lambda.
     "fedmix": {"mean_batch": Bound(2, integer=True), "lam": Bound(0, high=1)},

@@ -85,6 +85,29 @@ class CifarResNet18(nn.Module):
         return self.head(self.features(x))
 
 
+class ProjectedModel(nn.Module):
+    """MOON's model (Li et al. 2021, their code's ModelFedCon): the base model's representation h, a projection MLP
+    z = l2(ReLU(l1(h))) to `projection_dim`, and a new classifier on z. `features` returns z (what MOON contrasts),
+    `head` the classifier. The base's own classifier is kept, unused, so its weights travel unchanged."""
+
+    def __init__(self, base: nn.Module, *, num_classes: int, projection_dim: int) -> None:
+        super().__init__()
+        width = int(getattr(base, "representation_dim"))
+        self.base = base
+        self.projection = nn.Sequential(nn.Linear(width, width), nn.ReLU(inplace=True), nn.Linear(width, projection_dim))
+        self.classifier = nn.Linear(projection_dim, num_classes)
+        self.representation_dim = projection_dim
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.projection(self.base.features(x))  # type: ignore[operator]
+
+    def head(self, representation: torch.Tensor) -> torch.Tensor:
+        return self.classifier(representation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
 def _check_positive_int(name: str, value: int, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")

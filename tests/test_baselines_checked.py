@@ -22,10 +22,10 @@ from fedsynth import codec
 from fedsynth.algorithms import ClientUpdate, get_algorithm
 from fedsynth.algorithms.moon import contrastive_loss
 from fedsynth.algorithms.scaffold import effective_steps
-from fedsynth.assembly import algorithm_for, local_train_config, round_generator
+from fedsynth.assembly import algorithm_for, local_train_config, model_for, round_generator
 from fedsynth.config import load_config
 from fedsynth.data import load_dataset
-from fedsynth.models import build_model
+from fedsynth.models import ProjectedModel, build_model
 from fedsynth.training import LocalTrainConfig, TrainData, images_to_tensor
 from fedsynth.v1 import coordinator_pb2 as pb
 
@@ -246,3 +246,22 @@ def test_a_client_node_keeps_moons_previous_model_across_rounds_and_a_restarted_
     reference = fedavg.client_update(model=model, data=digits, cfg=local_train_config(cfg), server_extra={}, client_state={},
                                      generator=round_generator(cfg, 0, 2)).state
     assert distance(fresh_round2, reference) < 1e-4
+
+
+def test_moons_model_has_the_authors_projection_head_and_the_classifier_reads_its_output() -> None:
+    cfg = load_config(None, ["train.algorithm=moon"])
+    torch.manual_seed(0)
+    model = model_for(cfg, num_classes=10, in_channels=1, image_size=8)
+    assert isinstance(model, ProjectedModel)
+    assert [tuple(p.shape) for p in model.projection.parameters()] == [(128, 128), (128,), (256, 128), (256,)]
+    x = torch.randn(3, 1, 8, 8)
+    z = model.features(x)
+    assert z.shape == (3, 256) and torch.equal(model(x), model.classifier(z))
+    # the contrastive term reaches the projection, the base and not the unused base classifier
+    contrastive_loss(z, z.detach() + 1.0, z.detach() - 1.0, 0.5).backward()
+    assert model.projection[0].weight.grad.abs().sum() > 0 and model.base.body[0].weight.grad.abs().sum() > 0
+    assert model.base.classifier.weight.grad is None
+    plain = model_for(load_config(None, ["train.algorithm=moon", "train.algorithm_params.projection_dim=0"]),
+                      num_classes=10, in_channels=1, image_size=8)
+    assert not isinstance(plain, ProjectedModel) and plain.features(x).shape == (3, 128)
+    assert not isinstance(model_for(load_config(None, []), num_classes=10, in_channels=1, image_size=8), ProjectedModel)

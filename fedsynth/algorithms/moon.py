@@ -33,6 +33,9 @@ def _frozen_copy(model: nn.Module, state: StateDict | None = None) -> nn.Module:
 class Moon(WeightedMeanServer):
     """loss = CE(head(z), y) + mu * contrastive(z, z_global, z_previous) with z = model.features(x).
 
+    With `projection_dim` > 0 the run's model is a ProjectedModel (fedsynth.models): z is the output of the
+    authors' projection MLP on the base representation and the classifier reads z, as in their code.
+
     The global model (the weights the round started from) and the client's previous local model
     are frozen copies in eval mode. The previous local model's full state is the client state.
     First round (empty client state): the global model also serves as the previous model, as in the
@@ -47,6 +50,7 @@ class Moon(WeightedMeanServer):
 
     mu: float = 1.0
     temperature: float = 0.5
+    projection_dim: int = 256  # the authors' out_dim; the run's model gets the head (fedsynth.assembly.model_for)
     name = "moon"
 
     def __post_init__(self) -> None:

@@ -27,14 +27,16 @@ POLL_S = 0.1  # how soon a stop request reaches a DP-GAN in training
 STOP_GRACE_S = 5.0
 
 
-def dpgan_fields(cfg: RunConfig, client_id: int) -> dict[str, Any]:
+def dpgan_fields(cfg: RunConfig, client_id: int, num_images: int) -> dict[str, Any]:
     s = cfg.sdafl
     fields: dict[str, Any] = {
         "latent_dim": s.gan_latent_dim,
         "generator_width": s.gan_width,
         "critic_width": s.gan_width,
         "steps": s.gan_steps,
-        "batch_size": s.gan_batch_size,
+        # Poisson sampling needs an expected batch of at most N_k: a client smaller than sdafl.gan_batch_size samples
+        # every image each step (q = 1); the noise is still calibrated to target_epsilon at that rate.
+        "batch_size": min(s.gan_batch_size, num_images),
         "lr": s.gan_lr,
         "secure_noise": s.secure_noise,
         "max_grad_norm": s.max_grad_norm,
@@ -58,7 +60,7 @@ def ensure_samples(
 
     Training runs in a child process that ends with this one; once `should_stop()` turns True it is
     terminated and StopRequested raised."""
-    fields = dpgan_fields(cfg, client_id)
+    fields = dpgan_fields(cfg, client_id, len(real_x))
     identity = hashlib.sha256(json.dumps([fields, cfg.sdafl.samples_per_client, real_x.shape], sort_keys=True).encode()).hexdigest()[:16]
     folder = cache_dir / f"client-{client_id:04d}" / f"sdafl-{identity}"
     samples, privacy = folder / "samples.npz", folder / "privacy.json"

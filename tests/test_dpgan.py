@@ -9,6 +9,8 @@ import pytest
 import torch
 from opacus.accountants import create_accountant
 
+from client_node.sdafl_client import dpgan_fields
+from fedsynth.config import load_config
 from fedsynth.data import load_dataset
 from fedsynth.errors import ConfigError, DataError
 from generator_service.dpgan import DPGANConfig, sample_images, train_dp_wgan
@@ -210,3 +212,13 @@ def test_bad_training_inputs_are_named(digits: np.ndarray) -> None:
         train_dp_wgan(np.zeros((5, 10, 10, 1), np.uint8), DPGANConfig(batch_size=2, **TINY))
     with pytest.raises(DataError, match="float32"):
         train_dp_wgan(np.zeros((5, 8, 8, 1), np.float32), DPGANConfig(batch_size=2, **TINY))
+
+
+def test_a_client_smaller_than_the_gan_batch_trains_at_q_1_within_its_target(digits: np.ndarray) -> None:
+    """SDA-FL on a Dirichlet split: a client can hold fewer images than sdafl.gan_batch_size (22 < 32 on reduced
+    CIFAR-10, seed 1); its DP-GAN samples all of them each step instead of failing the run's registration."""
+    cfg = load_config(None, ["train.algorithm=sdafl"])
+    assert dpgan_fields(cfg, 1, 22)["batch_size"] == 22 and dpgan_fields(cfg, 1, 500)["batch_size"] == cfg.sdafl.gan_batch_size
+    fields = {k: v for k, v in dpgan_fields(cfg, 1, 22).items() if k in ("batch_size", "target_epsilon", "seed")}
+    result = train_dp_wgan(digits[:22], DPGANConfig(steps=2, n_critic=2, **fields, **TINY))
+    assert result.sample_rate == 1.0 and 0 < result.epsilon <= cfg.sdafl.target_epsilon

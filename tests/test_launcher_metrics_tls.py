@@ -33,8 +33,9 @@ def test_generator_counters_over_https_with_the_operator_pair(tmp_path: Path) ->
         launcher = Launcher(cfg, argparse.Namespace(config=None, set=[]), tmp_path / "run")
         launcher.generator_metrics_file = tmp_path / "generator.metrics-port"
         launcher.generator_metrics_file.write_text(f"{server.server_port}\n")
-        assert launcher.generator_counters() == {"backend": "holdout", "model_id": "m1", "images_total": 12,
-                                                 "device_seconds": 1.5, "requests_total": 2}
+        assert launcher.generator_counters() == {"backend": "holdout", "model_id": "m1", "device": "", "dtype": "",
+                                                 "images_total": 12, "device_seconds": 1.5, "requests_total": 2,
+                                                 "quality_filter": None}
     finally:
         server.shutdown()
         server.server_close()

@@ -14,7 +14,8 @@ from torch.func import functional_call, grad, grad_and_value, vmap
 Params = dict[str, torch.Tensor]
 # vmap over 8 samples at a time, not the whole batch: the whole batch's double-backward buffers exceed glibc's mmap
 # threshold, so every critic step mapped and faulted them in anew (half the wall-clock in the kernel, 1.6 GB peak).
-# 8 at a time: about 1.5x faster and 25% less memory on a 32x32 critic (docs/algorithms.md, SDA-FL); same gradients.
+# 8 at a time: about 1.5x faster and 25% less memory on a 32x32 critic (the SDA-FL note in docs/cifar10-cpu-results.md);
+# the same gradients up to float rounding.
 VMAP_CHUNK = 8
 
 

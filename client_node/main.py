@@ -15,7 +15,7 @@ from client_node.node import NodeOptions, run_clients
 from fedsynth import lifetime, tls
 from fedsynth.config import generator_addresses
 from fedsynth.errors import ConfigError
-from fedsynth.metrics import add_metrics_arguments, serve_metrics_from_args
+from fedsynth.metrics import add_metrics_arguments, linger_for_final_scrape, serve_metrics_from_args
 from fedsynth.runtime import setup_logging
 
 log = logging.getLogger("client")
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", default="fedsynth-cache", help="folder of the persistent synthetic-image cache")
     parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of this process")
     parser.add_argument("--reconnect-timeout", type=float, default=300.0, help="give up after the coordinator is unreachable this long (s)")
-    add_metrics_arguments(parser)
+    add_metrics_arguments(parser, linger=True)
     parser.add_argument("--log-level", default="INFO")
     tls.add_tls_arguments(parser, server=False)
 
@@ -85,11 +85,12 @@ def run(args: argparse.Namespace) -> int:
     # The first optimizer imports torch._dynamo (~3 s): pay it here, not inside a round where a SIGTERM would wait on it.
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     options = node_options(args, ids)
-    serve_metrics_from_args(args, tls.tls_files_from_args(args, f"client-{ids[0]}"))  # HTTPS with the first client's pair
+    metrics_server = serve_metrics_from_args(args, tls.tls_files_from_args(args, f"client-{ids[0]}"))  # the first client's pair
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     code = run_clients(ids, options, ClientMetrics(), stop)
     if stop.is_set():  # stopped by a signal and shut down: leave at once
         lifetime.exit_now(code)
+    linger_for_final_scrape(metrics_server, args.metrics_linger_s, stop)
     return code

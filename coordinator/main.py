@@ -15,7 +15,7 @@ from coordinator.server import create_server
 from fedsynth import grpcutil, lifetime, tls
 from fedsynth.config import load_config
 from fedsynth.errors import QuorumError
-from fedsynth.metrics import add_metrics_arguments, serve_metrics_from_args
+from fedsynth.metrics import add_metrics_arguments, linger_for_final_scrape, serve_metrics_from_args
 from fedsynth.partition import check_partition
 from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_INTERNAL, EXIT_OK, setup_logging, write_atomic, write_json
 
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=None, help="address to bind (default: the config's runtime.host with TLS; 127.0.0.1 with --insecure)")
     parser.add_argument("--port", type=int, default=None, help="port to bind; 0 picks a free one (default: runtime.coordinator_port)")
     parser.add_argument("--port-file", help="write the bound port to this file once serving")
-    add_metrics_arguments(parser)
+    add_metrics_arguments(parser, linger=True)
     parser.add_argument("--log-level", default="INFO")
     tls.add_tls_arguments(parser, server=True)
 
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir or cfg.out_dir)
     host = security.bind_host(args.host, cfg.runtime.host)
     port = cfg.runtime.coordinator_port if args.port is None else args.port
-    serve_metrics_from_args(args, security.files, security.revoked)
+    metrics_server = serve_metrics_from_args(args, security.files, security.revoked)
     coordinator, bound = create_server(cfg, out_dir=out_dir, host=host, port=port, security=security,
                                        metrics=CoordinatorMetrics())
     federation = coordinator.federation
@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         },
     )
     coordinator.stop(grace_s=2.0)
+    linger_for_final_scrape(metrics_server, args.metrics_linger_s, stopped)
     # Everything is written and the server is down: skip the interpreter's teardown (1-2 s after torch, and a hang
     # under load was seen once), whose thread joins can only delay the exit code the launcher waits for.
     lifetime.exit_now(int(outcome.get("code", EXIT_BELOW_QUORUM)))

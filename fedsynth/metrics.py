@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import socket
 import ssl
 import threading
+import time
 from pathlib import Path
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
@@ -28,7 +30,8 @@ SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 HANDSHAKE_TIMEOUT_S = 10.0
 
 
-def add_metrics_arguments(parser: argparse.ArgumentParser, *, default_port: int = -1) -> None:
+def add_metrics_arguments(parser: argparse.ArgumentParser, *, default_port: int = -1, linger: bool = False) -> None:
+    """The --metrics-* flags; `linger` adds --metrics-linger-s for roles whose process ends with its run."""
     group = parser.add_argument_group("Prometheus /metrics (HTTPS with this node's certificate when it runs with mutual TLS)")
     group.add_argument("--metrics-port", type=int, default=default_port,
                        help="/metrics port; 0 picks a free one, -1 disables (default %(default)s)")
@@ -37,6 +40,11 @@ def add_metrics_arguments(parser: argparse.ArgumentParser, *, default_port: int 
                        "or 0.0.0.0 for a Prometheus on another machine (default %(default)s)")
     group.add_argument("--metrics-insecure", action="store_true", help="serve /metrics as plain HTTP, unauthenticated, "
                        "even with --tls-dir; needed for a non-loopback --metrics-host without TLS")
+    if not linger:
+        return
+    group.add_argument("--metrics-linger-s", type=float, default=0.0, metavar="S",
+                       help="after the run ends, keep /metrics up until one more scrape has read the final counters, "
+                       "at most S seconds (a signal ends the wait; default 0: exit at once)")
 
 
 def serves_https(files: TLSFiles) -> bool:
@@ -103,6 +111,9 @@ class MetricsHTTPServer(ThreadingMixIn, WSGIServer):
             raise ConfigError(f"--metrics-host {host!r} does not resolve ({exc.strerror})") from None
         self.context = context
         self.revoked = revoked
+        self._requests = threading.Condition()
+        self._started = 0  # requests whose handling began (each gets the next number)
+        self._answered_since = 0  # the highest such number whose handling ended
         try:
             super().__init__((host, port), _QuietHandler)
         except OSError as exc:
@@ -115,7 +126,28 @@ class MetricsHTTPServer(ThreadingMixIn, WSGIServer):
             if secured is None:
                 return
             request = secured
-        super().process_request_thread(request, client_address)
+        with self._requests:
+            self._started += 1
+            number = self._started
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._requests:
+                self._answered_since = max(self._answered_since, number)
+                self._requests.notify_all()
+
+    def wait_for_next_request(self, timeout_s: float, stop: threading.Event | None = None) -> bool:
+        """Block until a request that began after this call has been answered (the next scrape read the counters as
+        they are now), `timeout_s` passes or `stop` is set; whether it was answered."""
+        deadline = time.monotonic() + timeout_s
+        with self._requests:
+            begun = self._started
+            while self._answered_since <= begun:
+                left = deadline - time.monotonic()
+                if left <= 0 or (stop is not None and stop.is_set()):
+                    return False
+                self._requests.wait(min(left, 0.2))  # short waits: `stop` is an Event, not this condition
+            return True
 
     def _handshake(self, raw: socket.socket, address: tuple[str, int]) -> ssl.SSLSocket | None:
         assert self.context is not None
@@ -183,14 +215,26 @@ def serve_metrics(port: int, host: str = LOOPBACK, *, tls: TLSFiles | None = Non
 
 
 def serve_metrics_from_args(args: argparse.Namespace, files: TLSFiles | None, revoked: RevocationList | None = None,
-                            registry: CollectorRegistry = REGISTRY) -> int | None:
+                            registry: CollectorRegistry = REGISTRY) -> MetricsHTTPServer | None:
     """What every role calls with its add_metrics_arguments flags and its own TLS files: serve, write the port file,
-    return the bound port (None when disabled)."""
+    return the running server (None when disabled)."""
+    linger_s = getattr(args, "metrics_linger_s", 0.0)
+    if not math.isfinite(linger_s) or linger_s < 0:
+        raise ConfigError(f"--metrics-linger-s must be a finite number >= 0, got {linger_s}")
     tls = choose_metrics_tls(args.metrics_port, args.metrics_host, args.metrics_insecure, files)
     server = serve_metrics(args.metrics_port, args.metrics_host, tls=tls, revoked=revoked, registry=registry)
     if server is None:
         return None
-    port = int(server.server_port)
     if args.metrics_port_file is not None:
-        write_atomic(Path(args.metrics_port_file), f"{port}\n")
-    return port
+        write_atomic(Path(args.metrics_port_file), f"{server.server_port}\n")
+    return server
+
+
+def linger_for_final_scrape(server: MetricsHTTPServer | None, linger_s: float, stop: threading.Event | None = None) -> None:
+    """At the end of a run: a scraper polling every few seconds would miss the last counters of a process that exits
+    at once, so wait (bounded) until one more request has been answered."""
+    if server is None or linger_s <= 0:
+        return
+    log.info("waiting up to %.1f s for a last scrape of /metrics (--metrics-linger-s)", linger_s)
+    if not server.wait_for_next_request(linger_s, stop):
+        log.info("no scrape of /metrics within %.1f s; exiting", linger_s)

@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from fedsynth.codec import join_prefixed, split_prefixed
 from fedsynth.runtime import write_atomic
+from fedsynth.tensor_buffer import write_safetensors
 
 FILE_NAME = "checkpoint.safetensors"
 
@@ -30,7 +31,7 @@ def save(folder: Path, ckpt: Checkpoint) -> Path:
     tensors = join_prefixed(model=ckpt.global_state, server=ckpt.server_state, synthetic=ckpt.synthetic)
     meta = {"completed_rounds": str(ckpt.completed_rounds), "record": json.dumps(ckpt.record)}
     target = folder / FILE_NAME
-    write_atomic(target, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta))
+    write_atomic(target, lambda tmp: write_safetensors(tmp, tensors, meta))
     return target
 
 

@@ -12,7 +12,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from fedsynth.config import RunConfig
 from fedsynth.data import load_dataset
 from fedsynth.errors import StateError
 from fedsynth.training import TrainData, images_to_tensor
+from fedsynth.transfer import PreparedPayload
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +129,8 @@ class Federation:
             if rnd is not None and rnd.task_id == task_id:
                 rnd.delivered[client_id] = time.monotonic() - rnd.started
                 rnd.bytes_sent += num_bytes
+                if rnd.delivered.keys() >= set(rnd.sampled):  # as large as the model; a rejoiner's task is encoded again
+                    rnd.payload = PreparedPayload(rnd.payload.meta, ())
                 record = self.registry.clients.get(client_id)
                 if record is not None and (self.sdafl is not None or self.mean_pool is not None):
                     record.has_synthetic = True
@@ -156,8 +160,11 @@ class Federation:
             record = self.registry.record(header["client_id"], header["session"])
         return self.mean_pool.accept(header["client_id"], record.num_samples, header, chunks)
 
-    def accept_update(self, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]]) -> None:
-        """Validate and fold one client's update into the round's running sum; the global model is never touched."""
+    def accept_update(self, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]], *,
+                      receiving: Callable[[], AbstractContextManager[object]] = nullcontext) -> None:
+        """Validate and fold one client's update into the round's running sum; the global model is never touched.
+        The bytes are received, and the update held, inside `receiving()` (the servicer's receive slot), entered only
+        once the header fits the open round: a refused update never waits for a slot."""
         client_id = header["client_id"]
         with self.lock:
             record = self.registry.record(client_id, header["session"])
@@ -167,31 +174,36 @@ class Federation:
                 raise StateError(f"update for round {header['round']} (task {header['task_id'][:8]}) but the open round is {current}")
             if client_id not in rnd.pending:
                 raise StateError(f"client {client_id} was not sampled in round {rnd.number} or already answered")
+            # read under the lock: a round that closes meanwhile lets go of its payload and global state
+            max_bytes, global_state = 2 * rnd.payload.meta.total_bytes + (1 << 20), rnd.global_state
         meta = codec.PayloadMeta(header["total_bytes"], header["sha256"], header["num_chunks"])
-        log.info("round %d: receiving client %d's update (%d bytes)", rnd.number, client_id, meta.total_bytes)
-        update = receive_update(meta, chunks, max_bytes=2 * rnd.payload.meta.total_bytes + (1 << 20), template=self.state.template,
-                                client_id=client_id, wire=self.cfg.runtime.wire_dtype)
-        labels = self._pseudo_labels(client_id, local_state(update, rnd.global_state)) if self.sdafl is not None else None
-        with self.lock:
-            if self.driver.current is not rnd or client_id not in rnd.pending:
-                raise StateError(f"round {rnd.number} closed before client {client_id}'s update was complete")
-            started = time.monotonic()
-            rnd.aggregator.add(update.state, update.extra, float(record.num_samples), layout_checked=True, deltas=update.deltas)
-            if self.fedgen is not None:
-                self.fedgen.keep_head(rnd.number, client_id, local_state(update, rnd.global_state, head_keys(update.state)))
-            rnd.aggregation_s += time.monotonic() - started
-            rnd.answered[client_id] = {
-                "train_seconds": header["train_seconds"],
-                "train_loss": header["train_loss"],
-                "generation_seconds": header["generation"].get("wall_seconds", 0.0) if header["generation"] else 0.0,
-            }
-            rnd.bytes_received += update.num_bytes
-            if labels is not None and self.sdafl is not None:
-                self.sdafl.commit_labels(client_id, labels)
-            if header["generation"] and record.generation is None:
-                record.generation = header["generation"]
-            self.lock.notify_all()
-        self.metrics.bytes_received.inc(update.num_bytes)
+        with receiving():
+            log.info("round %d: receiving client %d's update (%d bytes)", rnd.number, client_id, meta.total_bytes)
+            update = receive_update(meta, chunks, max_bytes=max_bytes, template=self.state.template, client_id=client_id,
+                                    wire=self.cfg.runtime.wire_dtype)
+            labels = self._pseudo_labels(client_id, local_state(update, global_state)) if self.sdafl is not None else None
+            with self.lock:
+                if self.driver.current is not rnd or client_id not in rnd.pending:
+                    raise StateError(f"round {rnd.number} closed before client {client_id}'s update was complete")
+                started = time.monotonic()
+                rnd.aggregator.add(update.state, update.extra, float(record.num_samples), layout_checked=True, deltas=update.deltas)
+                if self.fedgen is not None:
+                    self.fedgen.keep_head(rnd.number, client_id, local_state(update, global_state, head_keys(update.state)))
+                rnd.aggregation_s += time.monotonic() - started
+                rnd.answered[client_id] = {
+                    "train_seconds": header["train_seconds"],
+                    "train_loss": header["train_loss"],
+                    "generation_seconds": header["generation"].get("wall_seconds", 0.0) if header["generation"] else 0.0,
+                }
+                rnd.bytes_received += update.num_bytes
+                if labels is not None and self.sdafl is not None:
+                    self.sdafl.commit_labels(client_id, labels)
+                if header["generation"] and record.generation is None:
+                    record.generation = header["generation"]
+                self.lock.notify_all()
+            num_bytes = update.num_bytes
+            del update, labels  # the received buffer goes before the slot does
+        self.metrics.bytes_received.inc(num_bytes)
         log.info("round %d: update from client %d accepted", rnd.number, client_id)
 
     def _pseudo_labels(self, client_id: int, state: dict[str, torch.Tensor]) -> np.ndarray:

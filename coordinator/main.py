@@ -12,7 +12,7 @@ import torch
 
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.server import create_server
-from fedsynth import grpcutil, lifetime, tls
+from fedsynth import allocator, grpcutil, lifetime, tls
 from fedsynth.config import load_config
 from fedsynth.errors import QuorumError
 from fedsynth.metrics import add_metrics_arguments, linger_for_final_scrape, serve_metrics_from_args
@@ -36,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging("coordinator", args.log_level)
+    allocator.tune_for_large_buffers()  # before any model-sized buffer: big blocks mmapped, freed back to the OS
     security = tls.ServerSecurity.from_args(args, "coordinator")
     security.credentials()  # read and checked before anything else starts
     cfg = load_config(args.config, args.set)

@@ -45,13 +45,20 @@ def _finite_mean(values: list[float]) -> float | None:
     return float(np.mean(finite)) if finite else None
 
 
+def _skeleton(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` whose parameters hold no memory (meta tensors) until real ones are assigned to it
+    (`load_state_dict(..., assign=True)`); buffers (BatchNorm's statistics: small) are copied."""
+    memo: dict[int, Any] = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad) for p in model.parameters()}
+    return copy.deepcopy(model, memo)
+
+
 @dataclass(frozen=True)
 class ClosedRound:
-    """An aggregated round waiting for its evaluation: the model to test and the checkpoint to write after it."""
+    """An aggregated round waiting for its evaluation: its bookkeeping (released: nothing model-sized) and the
+    checkpoint to write after the test, whose global state is the model to test."""
 
     rnd: RoundInProgress
     closed_at: float
-    model: torch.nn.Module
     saved: checkpoint.Checkpoint
     sdafl_summary: dict[str, Any]
 
@@ -78,6 +85,12 @@ class RoundDriver:
         # round r+1 already trains: the clients never wait for the coordinator's test pass.
         self._evaluator = ThreadPoolExecutor(1, thread_name_prefix="evaluation") if cfg.runtime.overlap_evaluation else None
         self._evaluating: Future[None] | None = None  # the last round submitted for evaluation (kept once done)
+        # The model a closed round is tested with: its parameters are assigned the round's checkpoint tensors (no copy);
+        # one round is tested at a time.
+        self._eval_model = _skeleton(state.model)
+        # The global state as of the last closed round (its checkpoint's tensors, never written to): the next round
+        # encodes, aggregates against and sends it without copying the model again.
+        self._closed_state: dict[str, torch.Tensor] | None = None
 
     def run(self) -> None:
         """Play every remaining round; raises QuorumError when the run cannot go on."""
@@ -170,6 +183,8 @@ class RoundDriver:
             if rnd.payload_with_images is None:
                 rnd.payload_with_images = self._task_payload(rnd.global_state, with_images=True)
             return TaskDelivery(rnd.task_id, rnd.number, rnd.deadline_s, quota, rnd.payload_with_images)
+        if not rnd.payload.messages:  # dropped once every sampled client had it: this one rejoined since
+            rnd.payload = self._task_payload(rnd.global_state, with_images=False)
         return TaskDelivery(rnd.task_id, rnd.number, rnd.deadline_s, quota, rnd.payload)
 
     def _task_payload(self, global_state: dict[str, torch.Tensor], *, with_images: bool) -> PreparedPayload:
@@ -186,7 +201,8 @@ class RoundDriver:
         k = self.cfg.data.clients
         m = max(1, round(self.cfg.train.fraction * k))
         sampled = sorted(int(c) for c in state.rng.choice(k, size=m, replace=False))
-        global_state = snapshot_state(state.model)
+        global_state = self._closed_state if self._closed_state is not None else snapshot_state(state.model)
+        self._closed_state = None
         payload = self._task_payload(global_state, with_images=False)
         rnd = RoundInProgress(
             number=number,
@@ -211,6 +227,8 @@ class RoundDriver:
         started = time.monotonic()
         new_global, state.server_state = rnd.aggregator.finish()
         state.model.load_state_dict(new_global)
+        del new_global, global_state, payload
+        rnd.release()  # the running sum, the payload and the old global state go now, not after the evaluation
         rnd.aggregation_s += time.monotonic() - started
         sdafl_summary = self.sdafl.after_aggregation(state.model, number) if self.sdafl is not None else {}
         if self.fedgen is not None:  # FedGen: train the feature generator on this round's heads (goes out next round)
@@ -219,7 +237,8 @@ class RoundDriver:
             state.server_state, fedgen_summary = self.fedgen.after_aggregation(state.server_state, counts, number)
             sdafl_summary = {**sdafl_summary, **fedgen_summary}
         state.completed = number
-        closed = ClosedRound(rnd, closed_at, copy.deepcopy(state.model), state.snapshot(self.sdafl), sdafl_summary)
+        closed = ClosedRound(rnd, closed_at, state.snapshot(self.sdafl), sdafl_summary)
+        self._closed_state = closed.saved.global_state
         self._await_evaluation()  # round r-1's (long done, normally): its errors surface here, in order
         if self._evaluator is None:
             self._conclude(closed)
@@ -250,7 +269,8 @@ class RoundDriver:
         """Test the round's model, then record, checkpoint and publish the round (rounds conclude in order)."""
         rnd = closed.rnd
         started = time.monotonic()
-        loss, acc = evaluate(closed.model, self.test_data, self.cfg.train.eval_batch_size)
+        self._eval_model.load_state_dict(closed.saved.global_state, assign=True)  # shares the checkpoint's tensors
+        loss, acc = evaluate(self._eval_model, self.test_data, self.cfg.train.eval_batch_size)
         phases = round_phases(rnd, closed.closed_at, time.monotonic() - started)
         summary = {
             "round": rnd.number,

@@ -30,6 +30,15 @@ class RoundInProgress:
     global_state: dict[str, torch.Tensor] = field(default_factory=dict)
     payload_with_images: PreparedPayload | None = None  # SDA-FL: the task for clients that lack the shared images
 
+    def release(self) -> None:
+        """Once aggregated: drop what is as large as the model (the chunk messages, the running sum, the global state);
+        the bookkeeping stays for the round's summary. Only the round loop calls it, after the round stopped being
+        current, so no update can reach the running sum any more."""
+        self.payload = PreparedPayload(self.payload.meta, ())
+        self.payload_with_images = None
+        self.aggregator = Aggregator({})
+        self.global_state = {}
+
     @property
     def pending(self) -> set[int]:
         return set(self.sampled) - set(self.answered)

@@ -27,6 +27,17 @@ CLAIMED_CLIENT_ID: dict[str, tls.ClaimedClientId] = {
     "UploadMeanData": lambda first: first.header.client_id if first.WhichOneof("kind") == "header" else None,
 }
 
+# Flow control for uploads: each SubmitUpdate stream may have at most this many unread bytes buffered in gRPC. A stream
+# waiting for a receive slot (coordinator.receive_slots) is not read; without a bound, gRPC's BDP probe grows every
+# stream's window until a whole upload or more can sit in its buffers, per stream, besides the buffer the update is
+# received into.
+UPLOAD_FLOW_CONTROL_OPTIONS = [
+    # no bandwidth-delay-product probing: the window stays at lookahead_bytes instead of growing with the link
+    ("grpc.http2.bdp_probe", 0),
+    # the per-stream window the server announces (default 64 KiB before BDP growth): two 1 MiB chunks in flight
+    ("grpc.http2.lookahead_bytes", 2 << 20),
+]
+
 
 @dataclass
 class CoordinatorServer:
@@ -59,7 +70,7 @@ def create_server(
     credentials = security.credentials()
     federation = Federation(cfg, out_dir, metrics or CoordinatorMetrics())
     # A dispatch stream holds a worker thread per connected client; leave room for uploads and health checks.
-    server = grpcutil.make_server(max_workers=max(16, 2 * cfg.data.clients + 8))
+    server = grpcutil.make_server(max_workers=max(16, 2 * cfg.data.clients + 8), extra_options=UPLOAD_FLOW_CONTROL_OPTIONS)
     servicer = security.guard(CoordinatorServicer(federation, cfg.runtime.heartbeat_s), CLAIMED_CLIENT_ID)
     add_strictly(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, servicer, server)
     health_servicer = grpcutil.add_health(server, SERVICE_NAME)

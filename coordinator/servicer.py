@@ -12,6 +12,7 @@ import grpc
 
 from coordinator.dispatch import Finished, TaskDelivery
 from coordinator.federation import Federation
+from coordinator.receive_slots import UPLOAD_SLOTS, ReceiveSlots, UploadCancelled
 from fedsynth.errors import StateError, WireError
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
@@ -48,6 +49,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def __init__(self, federation: Federation, heartbeat_s: float) -> None:
         self.federation = federation
         self.heartbeat_s = heartbeat_s
+        # Each update being received holds a model-sized buffer: two at a time; a stalled sender's slot is bypassed
+        # after the heartbeat timeout, the time after which a silent client counts as gone.
+        self.receive_slots = ReceiveSlots(UPLOAD_SLOTS, bypass_after_s=federation.cfg.runtime.heartbeat_timeout_s)
 
     def GetRunSpec(self, request: pb.GetRunSpecRequest, context: grpc.ServicerContext) -> pb.RunSpec:
         from fedsynth.config import to_json
@@ -125,7 +129,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     else None
                 ),
             }
-            self.federation.accept_update(header, self._chunks(request_iterator))
+            self.federation.accept_update(header, self._chunks(request_iterator), receiving=lambda: self.receive_slots.hold(
+                context.is_active, what=f"client {h.client_id}'s update for round {h.round}"))
+        except UploadCancelled as exc:  # its deadline passed or it was cancelled while waiting: nothing was received
+            self.federation.metrics.rejected_updates.labels(code="CANCELLED").inc()
+            log.warning("update abandoned: %s", exc)
+            context.abort(grpc.StatusCode.CANCELLED, str(exc))
         except (WireError, StateError) as exc:
             code = "INVALID_ARGUMENT" if isinstance(exc, WireError) else "FAILED_PRECONDITION"
             self.federation.metrics.rejected_updates.labels(code=code).inc()

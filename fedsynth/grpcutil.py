@@ -7,7 +7,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import TypeVar
 
@@ -41,11 +41,14 @@ CHANNEL_OPTIONS = KEEPALIVE_OPTIONS + [
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
 
 
-def make_server(*, max_workers: int = 32, max_concurrent_rpcs: int | None = None) -> grpc.Server:
-    """A thread-pool server; RPCs past max_concurrent_rpcs get RESOURCE_EXHAUSTED (backpressure)."""
+def make_server(
+    *, max_workers: int = 32, max_concurrent_rpcs: int | None = None, extra_options: Sequence[tuple[str, int]] = ()
+) -> grpc.Server:
+    """A thread-pool server; RPCs past max_concurrent_rpcs get RESOURCE_EXHAUSTED (backpressure). extra_options
+    are added to SERVER_OPTIONS (one role's own settings, e.g. the coordinator's upload flow control)."""
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        options=SERVER_OPTIONS,
+        options=SERVER_OPTIONS + list(extra_options),
         maximum_concurrent_rpcs=max_concurrent_rpcs,
     )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import mmap
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,12 +45,14 @@ def fresh_buffer(size: int) -> torch.Tensor:
     return torch.frombuffer(region, dtype=torch.uint8, count=size, offset=start)
 
 
-def encode_to_buffer(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The tensors as safetensors bytes in one new uint8 tensor (each tensor copied once, straight into place)."""
+def _layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> tuple[bytes, list[tuple[torch.Tensor, int]]]:
+    """safetensors' framing of `tensors`: the 8-byte length and JSON header, and each tensor (CPU, contiguous) with its
+    offset in the data section."""
     flat = {name: value.detach().to("cpu").contiguous() for name, value in tensors.items()}
     # Widest dtypes first (as safetensors orders them), so every tensor starts at a multiple of its item size.
     order = sorted(flat, key=lambda name: (-flat[name].element_size(), name))
-    header: dict[str, Any] = {}
+    header: dict[str, Any] = {} if metadata is None else {"__metadata__": metadata}
+    placed: list[tuple[torch.Tensor, int]] = []
     offset = 0
     for name in order:
         value = flat[name]
@@ -57,20 +60,40 @@ def encode_to_buffer(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
             raise ValueError(f"tensor {name!r} has dtype {value.dtype}, which the wire format does not carry")
         size = value.numel() * value.element_size()
         header[name] = {"dtype": _NAMES[value.dtype], "shape": list(value.shape), "data_offsets": [offset, offset + size]}
+        placed.append((value, offset))
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # data starts 8-byte aligned, as in safetensors' own files
-    start = 8 + len(text)
-    buffer = fresh_buffer(start + offset)
+    return len(text).to_bytes(8, "little") + text, placed
+
+
+def _bytes_of(value: torch.Tensor) -> memoryview:
+    return memoryview(value.reshape(-1).view(torch.uint8).numpy())
+
+
+def encode_to_buffer(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The tensors as safetensors bytes in one new uint8 tensor (each tensor copied once, straight into place)."""
+    head, placed = _layout(tensors)
+    data_bytes = sum(value.numel() * value.element_size() for value, _ in placed)
+    buffer = fresh_buffer(len(head) + data_bytes)
     raw = memoryview(buffer.numpy())
-    raw[:8] = len(text).to_bytes(8, "little")
-    raw[8:start] = text
-    for name in order:
-        begin, end = header[name]["data_offsets"]
+    raw[: len(head)] = head
+    for value, offset in placed:
+        start = len(head) + offset
         # A plain memcpy: torch's copy_ splits large copies over its intra-op threads, which on a busy machine
         # wait for cores (measured several times slower with 2 threads than this).
-        raw[start + begin : start + end] = flat[name].reshape(-1).view(torch.uint8).numpy()
+        raw[start : start + value.numel() * value.element_size()] = _bytes_of(value)
     return buffer
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """A safetensors file (what `safetensors.torch.load_file` reads) written tensor by tensor from the tensors' own
+    memory: safetensors' `save_file` first turns every tensor into a bytes copy, a second model held for the write."""
+    head, placed = _layout(tensors, metadata)
+    with open(path, "wb") as handle:
+        handle.write(head)
+        for value, _ in placed:
+            handle.write(_bytes_of(value))
 
 
 def decode_views(buffer: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -9,13 +9,15 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load as st_load
+from safetensors.torch import load_file
 
 from fedsynth import codec
 from fedsynth.algorithms.base import Aggregator
 from fedsynth.errors import WireError
 from fedsynth.raw_messages import chunk_message, passthrough
-from fedsynth.tensor_buffer import HUGE_PAGE_BYTES, decode_views, encode_to_buffer, fresh_buffer
+from fedsynth.tensor_buffer import HUGE_PAGE_BYTES, decode_views, encode_to_buffer, fresh_buffer, write_safetensors
 from fedsynth.transfer import byte_view, chunk_views, describe_buffer, prepare, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
 
@@ -65,6 +67,19 @@ def test_encoded_buffer_is_safetensors_both_ways() -> None:
     for name, value in tensors.items():
         assert loaded[name].dtype == value.dtype and torch.equal(loaded[name], value), name
         assert views[name].dtype == value.dtype and torch.equal(views[name], value), name
+
+
+def test_a_file_written_tensor_by_tensor_is_safetensors_with_its_metadata(tmp_path) -> None:
+    """The coordinator's checkpoint writer: safetensors' own reader gets every tensor and the metadata back."""
+    tensors = mixed_tensors()
+    path = tmp_path / "checkpoint.safetensors"
+    write_safetensors(path, tensors, {"completed_rounds": "3"})
+    loaded = load_file(str(path))
+    assert loaded.keys() == tensors.keys()
+    for name, value in tensors.items():
+        assert loaded[name].dtype == value.dtype and torch.equal(loaded[name], value), name
+    with safe_open(str(path), "pt") as handle:
+        assert handle.metadata() == {"completed_rounds": "3"}
 
 
 def test_decoded_tensors_are_views_of_the_received_buffer() -> None:

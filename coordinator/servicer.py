@@ -6,13 +6,14 @@ import logging
 import queue
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import grpc
 
 from coordinator.dispatch import Finished, TaskDelivery
 from coordinator.federation import Federation
-from coordinator.receive_slots import UPLOAD_SLOTS, ReceiveSlots, UploadCancelled
+from coordinator.receive_slots import SLOTTED_UPLOAD_BYTES, UPLOAD_SLOTS, ReceiveSlots, UploadCancelled
 from fedsynth.errors import StateError, WireError
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
@@ -129,8 +130,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     else None
                 ),
             }
+            large = header["total_bytes"] >= SLOTTED_UPLOAD_BYTES
             self.federation.accept_update(header, self._chunks(request_iterator), receiving=lambda: self.receive_slots.hold(
-                context.is_active, what=f"client {h.client_id}'s update for round {h.round}"))
+                context.is_active, what=f"client {h.client_id}'s update for round {h.round}") if large else nullcontext(True))
         except UploadCancelled as exc:  # its deadline passed or it was cancelled while waiting: nothing was received
             self.federation.metrics.rejected_updates.labels(code="CANCELLED").inc()
             log.warning("update abandoned: %s", exc)

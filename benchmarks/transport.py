@@ -27,7 +27,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from deploy.processes import ProcessGroup, fedsynth_command, wait_for_file
@@ -37,6 +36,7 @@ from fedsynth.tensor_buffer import decode_views, encode_to_buffer
 from fedsynth.transfer import chunk_messages, describe_buffer, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
+from local_federation import cifar_shaped_folder
 
 MB = 1e6
 # Receives a length-prefixed blob, then sends it back whole: the same bytes, the same direction pattern.
@@ -57,13 +57,6 @@ while True:
         got += conn.recv_into(view[got:])
     conn.sendall(buffer)
 """
-
-
-def cifar_shaped_folder(folder: Path) -> None:
-    """A few random 32x32x3 images as train.npz/test.npz: the coordinator's evaluation stays negligible."""
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 40), ("test", 20)):
-        np.savez(folder / f"{split}.npz", x=rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8), y=np.arange(n) % 10)
 
 
 def start_coordinator(group: ProcessGroup, folder: Path, rounds: int) -> str:
@@ -186,7 +179,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="fedsynth-transport-") as tmp:
         folder = Path(tmp)
-        cifar_shaped_folder(folder)
+        cifar_shaped_folder(folder, train=40, test=20)  # few test images: the coordinator's evaluation stays negligible
         group = ProcessGroup(folder / "logs")
         try:
             rounds = grpc_round_trips(start_coordinator(group, folder, args.rounds), args.rounds)

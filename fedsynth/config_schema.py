@@ -23,7 +23,7 @@ PARTITIONS = ("dirichlet", "iid")  # fedsynth.partition
 ACCOUNTANTS = ("rdp", "prv")  # generator_service.dpgan (Opacus accountants)
 MODELS = ("cnn", "resnet18")  # fedsynth.models.build_model
 GENERATOR_BACKENDS = ("ddpm", "holdout", "text2image")  # generator_service.backends; holdout: real held-out images
-GENERATOR_SIZES = ("tiny", "half", "ddpm-cifar")  # generator_service.ddpm.model.SIZES
+GENERATOR_SIZES = ("tiny", "small", "half", "ddpm-cifar")  # generator_service.ddpm.model.SIZES
 WIRE_DTYPES = ("float32", "float16", "bfloat16")  # fedsynth.wire_dtype: the floats of client updates on the wire
 MAX_EXPONENT = 2.0  # generation.exponent / plan --exponent: past (N_k / C)^2 no generator could fill a budget
 

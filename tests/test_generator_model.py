@@ -37,6 +37,7 @@ def one_torch_thread() -> Iterator[None]:
 
 def test_sizes_have_the_documented_parameter_counts() -> None:
     assert parameter_count(build_unet("tiny", num_classes=10, image_shape=(1, 8, 8))) < 1_000_000
+    assert parameter_count(build_unet("small", num_classes=10, image_shape=(3, 32, 32))) == 2_737_507
     assert 8_000_000 < parameter_count(build_unet("half", num_classes=10, image_shape=(3, 32, 32))) < 10_000_000
     full = parameter_count(build_unet("ddpm-cifar", num_classes=10, image_shape=(3, 32, 32)))
     assert abs(full - 35.7e6) < 0.1e6

@@ -35,9 +35,13 @@ class UNetSize:
 # "tiny" has two levels (8x8 -> 4x4 for digits, attention at 4x4) so 8x8 images need no padding; it has
 # ~0.7M parameters and trains on digits on a CPU in minutes. "ddpm-cifar" is Ho et al.'s CIFAR-10 layout
 # (ch 128, mult 1-2-2-2, 2 res blocks, attention at 16x16, dropout 0.1): 35.7M parameters. "half" is that
-# layout at half width (~9M). Their three down-samplings need a side divisible by 8 (32 -> 4).
+# layout at half width (~9M). Their three down-samplings need a side divisible by 8 (32 -> 4). "small" is the
+# CPU recipe for 32x32 data: a third level (8x8, 128 channels) with the attention moved there, so a training step
+# costs what tiny's does (attention over 64 positions instead of 256) for 4x the parameters and a receptive field
+# that spans the image; ~2.7M parameters (docs/generator.md, "A CPU recipe for CIFAR-10").
 SIZES: dict[str, UNetSize] = {
     "tiny": UNetSize((32, 64), 1, (1,), 8, 0.0),
+    "small": UNetSize((32, 64, 128), 1, (2,), 8, 0.0),
     "half": UNetSize((64, 128, 128, 128), 2, (1,), 32, 0.1),
     "ddpm-cifar": UNetSize((128, 256, 256, 256), 2, (1,), 32, 0.1),
 }

@@ -218,7 +218,7 @@ def test_bad_overrides_name_the_key(overrides: list[str], key: str) -> None:
 def test_a_bad_key_in_a_file_is_named(tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
     path.write_text('[generation]\nsize = "huge"\n')
-    with pytest.raises(ConfigError, match=r"^generation.size must be one of tiny, half, ddpm-cifar, got 'huge'$"):
+    with pytest.raises(ConfigError, match=r"^generation.size must be one of tiny, small, half, ddpm-cifar, got 'huge'$"):
         load_config(path)
     path.write_text("data = 5\n")
     with pytest.raises(ConfigError, match=r"^data must be a table"):

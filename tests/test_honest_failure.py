@@ -16,7 +16,7 @@ from deploy.processes import fedsynth_command
 from fedsynth.runtime import EXIT_INTERNAL
 from runtime_harness import Runtime, overrides, read_record, wait_exit
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # serial: asserts time bounds
 INJECTED = "injected aggregation failure"
 
 

@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter
 from fedsynth.errors import ConfigError
 from fedsynth.metrics import add_metrics_arguments, linger_for_final_scrape, serve_metrics, serve_metrics_from_args
 
+pytestmark = pytest.mark.serial  # asserts time bounds: runs alone, after the parallel tests
+
 
 def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:

@@ -179,6 +179,7 @@ def test_no_client_certificate_plain_http_and_foreign_certificates_are_refused(
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # asserts a time bound
 def test_an_idle_connection_does_not_stall_the_endpoint(generator: tuple[Child, int, Path], pki: Path) -> None:
     """The handshake runs in the connection's thread: a silent TCP peer (a port scan) blocks no scrape."""
     port = generator[1]

@@ -23,6 +23,8 @@ from fedsynth.allocation import fedeas_generation_row
 from fedsynth.assembly import client_shard
 from fedsynth.config import load_config
 
+pytestmark = pytest.mark.serial  # fixed namespace names, packet loss and time bounds: runs alone
+
 PREFIX = "fsyntest"  # every namespace of this test is fsyntest-*: found and removed by name after a crash
 CLIENTS = 3
 HOSTS = ("coordinator", "generator", *(f"client-{k}" for k in range(CLIENTS)))

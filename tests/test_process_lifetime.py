@@ -17,6 +17,8 @@ from fedsynth import lifetime
 from fedsynth.runtime import EXIT_OK
 from runtime_harness import Runtime, wait_exit, wait_until
 
+pytestmark = pytest.mark.serial  # asserts time bounds: runs alone, after the parallel tests
+
 START_TIMEOUT_S = 240.0  # several cold `import torch` on a busy 2-core machine
 
 

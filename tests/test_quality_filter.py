@@ -428,6 +428,7 @@ def test_serve_refuses_a_bad_min_confidence(value: float) -> None:
     assert args.min_confidence == value
 
 
+@pytest.mark.serial  # asserts a time bound
 def test_the_launcher_reports_a_generator_that_exits_while_loading_at_once(tmp_path: Path) -> None:
     """With min_confidence the launcher waits up to an hour for SERVING (a judge may be training), but a generator
     that exits meanwhile (e.g. its dataset is missing) fails the start within SERVING_POLL_S, not after 120 s."""

@@ -9,6 +9,8 @@ import pytest
 
 from coordinator.receive_slots import ReceiveSlots, UploadCancelled
 
+pytestmark = pytest.mark.serial  # asserts time bounds: runs alone, after the parallel tests
+
 JOIN_S = 10.0
 
 

@@ -16,6 +16,8 @@ from conftest import SAMPLED_RUN, FinishedRun
 from coordinator import checkpoint
 from runtime_harness import Runtime, completed_rounds, read_record, wait_exit, wait_until
 
+pytestmark = pytest.mark.serial  # asserts time bounds: runs alone, after the parallel tests
+
 # Local training of a few seconds per round, so that a client can be killed while it trains.
 SLOW_TRAINING_RUN: dict[str, Any] = {
     "data.clients": 3,

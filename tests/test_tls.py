@@ -192,6 +192,7 @@ def test_revoked_certificates_are_refused_on_every_call(guarded: tuple[str, Path
 
 
 
+@pytest.mark.serial  # asserts a time bound
 def test_revoking_a_node_ends_the_stream_it_holds_open(guarded: tuple[str, Path], pki: Path) -> None:
     address, revoked = guarded
     with grpcutil.make_channel(address, node_credentials(pki, "client-0")) as channel:

@@ -160,13 +160,13 @@ def coordinator_processing(payload: bytes, repeats: int) -> float:
     meta = codec.describe(payload)
     chunks = list(codec.split(payload))
     state = codec.split_prefixed(codec.decode(payload))["model"]
-    template = {k: v.to("meta") for k, v in state.items()}
+    layout = codec.layout_of(state)
     times = []
     for _ in range(repeats):
         aggregator = Aggregator(state)
         started = time.perf_counter()
         received = codec.split_prefixed(decode_views(receive_into(meta, chunks)))["model"]
-        codec.check_like(received, template, what="update")
+        codec.check_like(received, layout, what="update")
         aggregator.add(received, {}, 1.0, layout_checked=True)
         times.append(time.perf_counter() - started)
     return statistics.median(times)

@@ -180,6 +180,7 @@ class LogicalClient:
     def _prepare(self, cfg: RunConfig) -> ClientState:
         shard = client_shard(cfg, self.client_id)
         self.model = model_for(cfg, num_classes=shard.num_classes, in_channels=shard.image_shape[0], image_size=shard.image_shape[1])
+        self.layout = codec.layout_of(self.model.state_dict())
         self.algorithm = algorithm_for(cfg)
         self.num_classes = shard.num_classes
         return ClientState(cfg, shard.x, shard.y)
@@ -208,8 +209,7 @@ class LogicalClient:
         cfg = self.state.cfg
         groups = self._receive_payload(task, stream)
         global_state = groups.get("model", {})
-        layout = {key: value.to("meta") for key, value in self.model.state_dict().items()}
-        codec.check_like(global_state, layout, what="global model from the coordinator")
+        codec.check_like(global_state, self.layout, what="global model from the coordinator")
         self.model.load_state_dict(global_state)
 
         generation_report = None

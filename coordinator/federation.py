@@ -29,7 +29,7 @@ from coordinator.round_driver import RoundDriver
 from coordinator.run_state import RunState
 from coordinator.sdafl_server import SdaflServer
 from coordinator.updates import local_state, receive_update
-from fedsynth import codec
+from fedsynth import codec, wire_dtype
 from fedsynth.algorithms.fedgen import FedGen, head_keys
 from fedsynth.assembly import algorithm_for, model_for
 from fedsynth.config import RunConfig
@@ -54,6 +54,7 @@ class Federation:
         torch.manual_seed(cfg.seed)
         model = model_for(cfg, num_classes=test.num_classes, in_channels=channels, image_size=height)
         self.state = RunState(model, algorithm, run_id=self.run_id, seed=cfg.seed)
+        self.update_layout = wire_dtype.expected_layout(self.state.layout, cfg.runtime.wire_dtype)
         self.sdafl = SdaflServer(cfg, test.image_shape, test.num_classes) if cfg.train.algorithm == "sdafl" else None
         self.mean_pool = None  # FedMix / NaiveMix: the clients' pooled mean data
         if cfg.train.algorithm in ("fedmix", "naivemix"):
@@ -179,7 +180,7 @@ class Federation:
         meta = codec.PayloadMeta(header["total_bytes"], header["sha256"], header["num_chunks"])
         with receiving():
             log.info("round %d: receiving client %d's update (%d bytes)", rnd.number, client_id, meta.total_bytes)
-            update = receive_update(meta, chunks, max_bytes=max_bytes, template=self.state.template, client_id=client_id,
+            update = receive_update(meta, chunks, max_bytes=max_bytes, layout=self.update_layout, client_id=client_id,
                                     wire=self.cfg.runtime.wire_dtype)
             labels = self._pseudo_labels(client_id, local_state(update, global_state)) if self.sdafl is not None else None
             with self.lock:

@@ -24,8 +24,7 @@ class RunState:
     def __init__(self, model: nn.Module, algorithm: Algorithm, *, run_id: str, seed: int) -> None:
         self.model = model
         self.run_id = run_id
-        # What every update's model group must match (keys, shapes, dtypes); meta tensors hold no memory.
-        self.template = {k: torch.empty_like(v, device="meta") for k, v in model.state_dict().items()}
+        self.layout = codec.layout_of(model.state_dict())  # the global model's keys, shapes and dtypes
         self.server_state = algorithm.initial_server_state(snapshot_state(model))
         self.rng = np.random.default_rng([seed, 1])
         self.completed = 0
@@ -43,7 +42,7 @@ class RunState:
                 f"{out_dir / checkpoint.FILE_NAME} belongs to run {ckpt.record.get('fingerprint')!r}, "
                 f"not this config's {self.run_id!r}; use another out_dir or delete the checkpoint"
             )
-        codec.check_like(ckpt.global_state, snapshot_state(self.model), what="checkpoint")
+        codec.check_like(ckpt.global_state, self.layout, what="checkpoint")
         self.model.load_state_dict(ckpt.global_state)
         self.server_state = ckpt.server_state
         self.rng.bit_generator.state = ckpt.record["rng"]

@@ -30,21 +30,22 @@ def receive_update(
     chunks: Iterable[tuple[int, bytes]],
     *,
     max_bytes: int,
-    template: dict[str, torch.Tensor],
+    layout: codec.Layout,
     client_id: int,
     wire: str = "float32",
 ) -> ReceivedUpdate:
     """A verified update, or a WireError naming what is wrong; nothing is aggregated here.
 
-    `template` is the global model's layout; every floating-point tensor must arrive in the `wire` dtype exactly (a
-    float32 update where float16 is configured is refused, and the reverse) and finite (a float16 overflow is inf)."""
+    `layout` is the global model's in the wire dtype (`wire_dtype.expected_layout`): every floating-point tensor must
+    arrive in the `wire` dtype exactly (a float32 update where float16 is configured is refused, and the reverse) and
+    finite (a float16 overflow is inf)."""
     buffer = receive_into(meta, chunks, max_bytes=max_bytes)
     groups = codec.split_prefixed(decode_views(buffer))
     unknown = sorted(set(groups) - {"model", "extra"})
     if unknown:
         raise WireError(f"update carries unknown tensor groups {unknown}")
     state, extra = groups.get("model", {}), groups.get("extra", {})
-    codec.check_like(state, wire_dtype.expected_layout(template, wire), what=f"update from client {client_id}")
+    codec.check_like(state, layout, what=f"update from client {client_id}")
     expected = wire_dtype.torch_dtype(wire)
     for name, tensor in extra.items():
         if tensor.is_floating_point() and tensor.dtype != expected:

@@ -82,18 +82,26 @@ def assemble(meta: PayloadMeta, chunks: Iterable[tuple[int, bytes]], *, max_byte
     return b"".join(pieces)
 
 
-def check_like(received: dict[str, torch.Tensor], template: dict[str, torch.Tensor], *, what: str) -> None:
-    """Same keys, shapes and dtypes as the template, and every float finite."""
-    missing = sorted(set(template) - set(received))
-    extra = sorted(set(received) - set(template))
-    if missing or extra:
+Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape, dtype): what a state dict must match
+
+
+def layout_of(tensors: dict[str, torch.Tensor]) -> Layout:
+    """The (shape, dtype) of each tensor: built once per model, so that checking a state dict allocates nothing."""
+    return {name: (tuple(value.shape), value.dtype) for name, value in tensors.items()}
+
+
+def check_like(received: dict[str, torch.Tensor], layout: Layout, *, what: str) -> None:
+    """Same keys, shapes and dtypes as the layout, and every float finite."""
+    if received.keys() != layout.keys():
+        missing = sorted(set(layout) - set(received))
+        extra = sorted(set(received) - set(layout))
         raise WireError(f"{what}: missing tensors {missing[:5]} / unexpected tensors {extra[:5]}")
-    for name, ref in template.items():
+    for name, (shape, dtype) in layout.items():
         got = received[name]
-        if got.shape != ref.shape:
-            raise WireError(f"{what}: tensor {name!r} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
-        if got.dtype != ref.dtype:
-            raise WireError(f"{what}: tensor {name!r} has dtype {got.dtype}, expected {ref.dtype}")
+        if tuple(got.shape) != shape:
+            raise WireError(f"{what}: tensor {name!r} has shape {tuple(got.shape)}, expected {shape}")
+        if got.dtype != dtype:
+            raise WireError(f"{what}: tensor {name!r} has dtype {got.dtype}, expected {dtype}")
         if got.is_floating_point() and not all_finite(got):
             raise WireError(f"{what}: tensor {name!r} contains NaN or Inf")
 

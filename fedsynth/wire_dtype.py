@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from fedsynth.codec import Layout
 from fedsynth.config_schema import WIRE_DTYPES
 
 StateDict = dict[str, torch.Tensor]
@@ -35,11 +36,10 @@ def outgoing(state: StateDict, extra: StateDict, global_state: StateDict, name: 
     return model, {key: value.to(dtype) if value.is_floating_point() else value for key, value in extra.items()}
 
 
-def expected_layout(template: StateDict, name: str) -> StateDict:
-    """The model template (meta tensors) with its floating-point tensors in the wire dtype: what an update must match."""
+def expected_layout(layout: Layout, name: str) -> Layout:
+    """The model's layout with its floating-point tensors in the wire dtype: what an update must match."""
     dtype = DTYPES[name]
-    return {key: torch.empty_like(value, device="meta", dtype=dtype) if value.is_floating_point() else value
-            for key, value in template.items()}
+    return {key: (shape, dtype if kind.is_floating_point else kind) for key, (shape, kind) in layout.items()}
 
 
 def absolute(state: StateDict, global_state: StateDict, keys: list[str] | None = None) -> StateDict:

@@ -133,7 +133,8 @@ def test_scaffold_steps_from_the_global_model_with_delta_updates() -> None:
 def received(tensors: StateDict, template: StateDict, wire: str) -> Any:
     buffer = encode_to_buffer(tensors)
     return receive_update(describe_buffer(buffer), ((seq, bytes(piece)) for seq, piece in chunk_views(buffer)),
-                          max_bytes=1 << 30, template=template, client_id=4, wire=wire)
+                          max_bytes=1 << 30, layout=wire_dtype.expected_layout(codec.layout_of(template), wire),
+                          client_id=4, wire=wire)
 
 
 @pytest.mark.parametrize(("wire", "sent"), [("float16", torch.float32), ("float32", torch.float16), ("bfloat16", torch.float16)])

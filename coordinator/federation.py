@@ -108,7 +108,7 @@ class Federation:
         with self.lock:
             _record, outbox = self.registry.open_stream(client_id, session)
             rnd = self.driver.current
-            if rnd is not None and client_id in rnd.pending:
+            if rnd is not None and rnd.awaits(client_id):
                 outbox.put(self.driver.delivery(rnd, client_id))  # a client that rejoins mid-round gets its task again
             return outbox
 
@@ -173,7 +173,7 @@ class Federation:
             if rnd is None or rnd.number != header["round"] or rnd.task_id != header["task_id"]:
                 current = "none" if rnd is None else rnd.number
                 raise StateError(f"update for round {header['round']} (task {header['task_id'][:8]}) but the open round is {current}")
-            if client_id not in rnd.pending:
+            if not rnd.awaits(client_id):
                 raise StateError(f"client {client_id} was not sampled in round {rnd.number} or already answered")
             # read under the lock: a round that closes meanwhile lets go of its payload and global state
             max_bytes, global_state = 2 * rnd.payload.meta.total_bytes + (1 << 20), rnd.global_state
@@ -184,7 +184,7 @@ class Federation:
                                     wire=self.cfg.runtime.wire_dtype)
             labels = self._pseudo_labels(client_id, local_state(update, global_state)) if self.sdafl is not None else None
             with self.lock:
-                if self.driver.current is not rnd or client_id not in rnd.pending:
+                if self.driver.current is not rnd or not rnd.awaits(client_id):
                     raise StateError(f"round {rnd.number} closed before client {client_id}'s update was complete")
                 started = time.monotonic()
                 rnd.aggregator.add(update.state, update.extra, float(record.num_samples), layout_checked=True, deltas=update.deltas)
@@ -201,7 +201,8 @@ class Federation:
                     self.sdafl.commit_labels(client_id, labels)
                 if header["generation"] and record.generation is None:
                     record.generation = header["generation"]
-                self.lock.notify_all()
+                if rnd.complete:  # the round loop waits for nothing else from updates (it checks deadlines on its own)
+                    self.lock.notify_all()
             num_bytes = update.num_bytes
             del update, labels  # the received buffer goes before the slot does
         self.metrics.bytes_received.inc(num_bytes)

@@ -299,7 +299,7 @@ class RoundDriver:
         grace = self.cfg.runtime.rejoin_grace_s
         unreachable_since: float | None = None
         with self.lock:
-            while rnd.pending:
+            while not rnd.complete:
                 now = time.monotonic()
                 if rnd.expired:
                     if len(rnd.answered) >= rnd.need:

@@ -29,6 +29,10 @@ class RoundInProgress:
     bytes_sent: int = 0
     global_state: dict[str, torch.Tensor] = field(default_factory=dict)
     payload_with_images: PreparedPayload | None = None  # SDA-FL: the task for clients that lack the shared images
+    _sampled: frozenset[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._sampled = frozenset(self.sampled)
 
     def release(self) -> None:
         """Once aggregated: drop what is as large as the model (the chunk messages, the running sum, the global state);
@@ -42,6 +46,15 @@ class RoundInProgress:
     @property
     def pending(self) -> set[int]:
         return set(self.sampled) - set(self.answered)
+
+    @property
+    def complete(self) -> bool:
+        """Every sampled client answered (answers come only from sampled clients)."""
+        return len(self.answered) >= len(self.sampled)
+
+    def awaits(self, client_id: int) -> bool:
+        """This client was sampled and has not answered yet: O(1), called once per update at K = 100 and more."""
+        return client_id in self._sampled and client_id not in self.answered
 
     @property
     def expired(self) -> bool:

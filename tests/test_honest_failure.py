@@ -16,7 +16,7 @@ from deploy.processes import fedsynth_command
 from fedsynth.runtime import EXIT_INTERNAL
 from runtime_harness import Runtime, overrides, read_record, wait_exit
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]  # serial: asserts time bounds
+pytestmark = pytest.mark.slow
 INJECTED = "injected aggregation failure"
 
 
@@ -35,6 +35,7 @@ def _injecting_env(tmp_path: Path) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
 
 
+@pytest.mark.serial  # asserts a 15 s bound: runs alone, after the parallel tests
 def test_coordinator_error_gives_exit_4_a_record_and_ends_every_client(runtime: Runtime, tmp_path: Path) -> None:
     coord = runtime.coordinator({"data.clients": 3, "train.rounds": 3, "train.max_steps": 2}, tmp_path / "run",
                                 env=_injecting_env(tmp_path))

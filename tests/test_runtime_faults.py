@@ -16,8 +16,6 @@ from conftest import SAMPLED_RUN, FinishedRun
 from coordinator import checkpoint
 from runtime_harness import Runtime, completed_rounds, read_record, wait_exit, wait_until
 
-pytestmark = pytest.mark.serial  # asserts time bounds: runs alone, after the parallel tests
-
 # Local training of a few seconds per round, so that a client can be killed while it trains.
 SLOW_TRAINING_RUN: dict[str, Any] = {
     "data.clients": 3,
@@ -87,6 +85,7 @@ def test_coordinator_killed_after_a_round_resumes_and_ends_as_if_never_interrupt
         assert torch.equal(final.global_state[key], value), f"{key} differs from the uninterrupted run"
 
 
+@pytest.mark.serial  # asserts a time bound: runs alone, after the parallel tests
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_below_quorum_the_coordinator_exits_3_within_the_registration_timeout(runtime: Runtime, tmp_path: Path) -> None:
@@ -106,6 +105,7 @@ def test_below_quorum_the_coordinator_exits_3_within_the_registration_timeout(ru
     assert wait_exit(lone, 30) == 3  # the client learns the run failed and exits with the same code
 
 
+@pytest.mark.serial  # asserts a time bound: runs alone, after the parallel tests
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sigterm_stops_the_coordinator_with_143_and_its_checkpoint_kept(runtime: Runtime, tmp_path: Path) -> None:

@@ -119,6 +119,19 @@ def _images(args: argparse.Namespace) -> GeneratedImages:
     return from_address(args.generator, credentials, per_class=per_class, seed=args.seed, timeout_s=args.timeout)
 
 
+def _dataset_before_drawing(args: argparse.Namespace) -> str | None:
+    """The dataset the judge will need, where it is known before any image is drawn: --dataset, or a ddpm folder's own."""
+    if args.dataset is not None:
+        return args.dataset
+    if args.backend == "ddpm" and args.model is not None:
+        from generator_service.ddpm.model import is_generator_folder, read_metadata
+
+        if is_generator_folder(args.model):
+            dataset = read_metadata(args.model).dataset
+            return dataset if dataset in DATASETS else None
+    return None
+
+
 def _check_match(generated: GeneratedImages, num_classes: int, image_shape: tuple[int, int, int], dataset: str) -> None:
     _, h, w, c = generated.images.shape
     if generated.num_classes != num_classes:
@@ -141,13 +154,16 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.images is not None and not args.images.is_file():  # before training a judge
         raise ConfigError(f"--images {str(args.images)!r} does not exist or is not a file")
+    from fedsynth.data import load_dataset
+    from generator_service.evaluation.report import evaluate_images
+
+    known = _dataset_before_drawing(args)
+    if known is not None:  # a missing data folder is an error before minutes of sampling, not after
+        load_dataset(known, "test", data_dir=args.data_dir)
     generated = _images(args)
     dataset = args.dataset or generated.dataset
     if dataset not in DATASETS:
         raise ConfigError(f"the generator does not name a known dataset ({generated.dataset!r}); pass --dataset")
-    from fedsynth.data import load_dataset
-    from generator_service.evaluation.report import evaluate_images
-
     image_size = load_dataset(dataset, "test", data_dir=args.data_dir).image_shape[1]
     recipe = default_recipe(image_size, args.judge_model)
     if args.judge_epochs is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -115,6 +116,20 @@ def test_cli_from_a_fresh_environment_writes_the_contract(tmp_path: Path) -> Non
 def test_bad_input_is_one_line_and_exit_1(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["generator", "evaluate", *flags]) == 1
     _assert_one_error_line(capsys.readouterr().err, message)
+
+
+def test_a_missing_data_folder_is_refused_before_any_image_is_drawn(tmp_path: Path, tiny_generator: Path,
+                                                                   caplog: pytest.LogCaptureFixture,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The judge's data is checked first: sampling 1,000 CIFAR-10 images takes minutes on a CPU, and they were lost."""
+    caplog.set_level(logging.INFO)
+    empty = tmp_path / "no-cifar"
+    empty.mkdir()
+    code = cli.main(["generator", "evaluate", "--backend", "ddpm", "--model", str(tiny_generator), "--dataset", "cifar10",
+                     "--data-dir", str(empty), "--threads", "1"])
+    assert code == 1
+    _assert_one_error_line(capsys.readouterr().err, str(empty))
+    assert not [r for r in caplog.records if "serving" in r.getMessage()], "the generator started before the data was checked"
 
 
 def test_images_with_other_classes_or_shapes_are_refused(tmp_path: Path, judges: Path,

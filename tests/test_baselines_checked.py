@@ -213,6 +213,7 @@ def test_a_client_node_keeps_moons_previous_model_across_rounds_and_a_restarted_
     def node() -> LogicalClient:  # a client process as it is after start-up (no round yet)
         client = LogicalClient(0, NodeOptions("127.0.0.1:1", None, tmp_path), ClientMetrics(CollectorRegistry()), threading.Event())
         client.model, client.algorithm, client.num_classes = cnn(), algorithm_for(cfg), 10
+        client.layout = codec.layout_of(client.model.state_dict())  # as _prepare sets it
         client.state = ClientState(cfg, np.zeros((1, 8, 8, 1), np.uint8), np.zeros(1, np.int64), data=digits)
         return client
 

@@ -216,7 +216,8 @@ class LogicalClient:
         if self.state.data is None:
             started = time.monotonic()
             self.state.synthetic = synthesize(
-                cfg, self.client_id, self.state.real_y, self.num_classes, list(task.generation_quota), self.options, self.metrics
+                cfg, self.client_id, self.state.real_y, self.num_classes, list(task.generation_quota), self.options, self.metrics,
+                stop=self.stop,
             )
             x, y = self.state.real_x, self.state.real_y
             if self.state.synthetic.count:

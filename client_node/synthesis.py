@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ def synthesize(
     assigned: list[int],
     options,
     metrics: ClientMetrics,
+    stop: threading.Event | None = None,
 ) -> SyntheticSet:
     counts = np.bincount(real_y, minlength=num_classes)
     quota = planned_quota(cfg, counts, assigned)
@@ -84,7 +86,7 @@ def synthesize(
 
             replicas.fetch(
                 missing.tolist(), seed=seed, offsets=cache.have.tolist(), model_id=info.model_id,
-                on_batch=on_batch, timeout_s=cfg.runtime.round_timeout_s,
+                on_batch=on_batch, timeout_s=cfg.runtime.round_timeout_s, stop=stop,
             )
             metrics.generation_seconds.observe(time.monotonic() - started)
             log.info("client %d: generated %d images in %.1fs", client_id, int(missing.sum()), time.monotonic() - started)

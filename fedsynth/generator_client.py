@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
 from fedsynth import grpcutil
-from fedsynth.errors import ConfigError, WireError
+from fedsynth.errors import ConfigError, StopRequested, WireError
 from fedsynth.generator_names import SERVICE_NAME
 from fedsynth.v1 import generator_pb2, generator_pb2_grpc
 
@@ -21,6 +23,30 @@ INDEX_LIMIT = 1 << 32
 # on_batch(labels int64 (n,), images uint8 (n, H, W, C), first_index): first_index is the position of
 # images[0] in the whole requested stream (class order, then index order), counted across retries.
 BatchCallback = Callable[[np.ndarray, np.ndarray, int], None]
+STOP_POLL_S = 0.25  # how often a fetch looks at its stop event: a SIGTERM waits at most this long, not for the stream
+
+
+@contextlib.contextmanager
+def on_stop(stop: threading.Event | None, action: Callable[[], None]) -> Iterator[None]:
+    """Run action() (once, on a watcher thread) if `stop` is set before the block ends."""
+    if stop is None:
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if stop.wait(STOP_POLL_S):
+                if not done.is_set():
+                    action()
+                return
+
+    watcher = threading.Thread(target=watch, name="fetch-stop", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 @dataclass(frozen=True)
@@ -97,11 +123,13 @@ def fetch_images(
     model_id: str = "",
     timeout_s: float,
     on_batch: BatchCallback,
+    stop: threading.Event | None = None,
 ) -> int:
     """Stream counts[c] images of each class c (indices offsets[c] ...) into on_batch; return how many arrived.
 
     UNAVAILABLE (a generator restart, a dropped connection) is retried with backoff until timeout_s, asking
-    only for what is still missing, so the images and their order are exactly those of an unbroken stream."""
+    only for what is still missing, so the images and their order are exactly those of an unbroken stream.
+    Setting `stop` cancels the stream and raises StopRequested; what on_batch received stays received."""
     want = _check_counts("counts", counts)
     start = _check_counts("offsets", offsets if offsets is not None else [0] * len(want))
     if len(start) != len(want):
@@ -113,16 +141,25 @@ def fetch_images(
     stop_at = time.monotonic() + timeout_s
     delays = grpcutil.backoff_delays()
     while progress.total < int(want.sum()):
+        if stop is not None and stop.is_set():
+            raise StopRequested(f"stopped while fetching images: {progress.total} of {int(want.sum())} arrived")
         attempt_start = progress.total
         request = generator_pb2.GenerateRequest(
             counts=(want - progress.received).tolist(), offsets=(start + progress.received).tolist(),
             seed=seed, model_id=model_id,
         )
         try:
-            for batch in stub.Generate(request, timeout=max(0.01, stop_at - time.monotonic())):
-                labels, images = progress.accept(batch, attempt_start)
-                on_batch(labels, images, progress.total - len(labels))
+            call = stub.Generate(request, timeout=max(0.01, stop_at - time.monotonic()))
+            with on_stop(stop, call.cancel):
+                for batch in call:
+                    if stop is not None and stop.is_set():
+                        call.cancel()
+                        break
+                    labels, images = progress.accept(batch, attempt_start)
+                    on_batch(labels, images, progress.total - len(labels))
         except grpc.RpcError as exc:
+            if stop is not None and stop.is_set():
+                continue  # the loop's head raises StopRequested
             code = exc.code() if isinstance(exc, grpc.Call) else None
             if progress.total > attempt_start:
                 delays = grpcutil.backoff_delays()  # progress was made: start the backoff over
@@ -131,7 +168,10 @@ def fetch_images(
                 raise
             log.info("generator stream broke (%s) after %d/%d images; resuming in %.2fs",
                      code, progress.total, int(want.sum()), delay)
-            time.sleep(delay)
+            if stop is not None:
+                stop.wait(delay)
+            else:
+                time.sleep(delay)
             continue
         if progress.total < int(want.sum()):
             raise WireError(f"the generator ended the stream after {progress.total} of {int(want.sum())} images")

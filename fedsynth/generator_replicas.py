@@ -28,8 +28,8 @@ import numpy as np
 
 from fedsynth import grpcutil
 from fedsynth.config import generator_addresses
-from fedsynth.errors import ConfigError, WireError
-from fedsynth.generator_client import INDEX_LIMIT, BatchCallback, GeneratorInfo, _check_counts, fetch_images
+from fedsynth.errors import ConfigError, StopRequested, WireError
+from fedsynth.generator_client import INDEX_LIMIT, BatchCallback, GeneratorInfo, _check_counts, fetch_images, on_stop
 from fedsynth.v1 import generator_pb2, generator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -102,11 +102,13 @@ class GeneratorReplicas:
             time.sleep(delay)
 
     def fetch(self, counts: Sequence[int], *, seed: int, offsets: Sequence[int] | None = None, model_id: str = "",
-              timeout_s: float, on_batch: BatchCallback, piece_images: int = PIECE_IMAGES) -> int:
-        """fetch_images over every replica: the same images, the same on_batch calls' order; returns how many."""
+              timeout_s: float, on_batch: BatchCallback, piece_images: int = PIECE_IMAGES,
+              stop: threading.Event | None = None) -> int:
+        """fetch_images over every replica: the same images, the same on_batch calls' order; returns how many.
+        Setting `stop` cancels every stream and raises StopRequested."""
         if len(self.workers) == 1:  # one stream: fetch_images, with its resume-after-UNAVAILABLE on that channel
             return fetch_images(self.workers[0][1], counts, seed=seed, offsets=offsets, model_id=model_id,
-                                timeout_s=timeout_s, on_batch=on_batch)
+                                timeout_s=timeout_s, on_batch=on_batch, stop=stop)
         if piece_images < 1:
             raise ConfigError(f"piece_images must be >= 1, got {piece_images}")
         want = _check_counts("counts", counts)
@@ -120,7 +122,9 @@ class GeneratorReplicas:
             for k in range(0, n, piece_images):
                 pieces.append(_Piece(position + k, class_id, first + k, min(piece_images, n - k)))
             position += n
-        return _Sharded(self.workers, pieces, seed=seed, model_id=model_id, timeout_s=timeout_s).run(on_batch)
+        sharded = _Sharded(self.workers, pieces, seed=seed, model_id=model_id, timeout_s=timeout_s)
+        with on_stop(stop, lambda: sharded._fail(StopRequested("stopped while fetching images from the replicas"))):
+            return sharded.run(on_batch)
 
 
 class _Sharded:

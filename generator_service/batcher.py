@@ -111,7 +111,9 @@ class Batcher:
                 self._set_queued(self._queued - job.remaining)
         job._results.put(final)
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 60.0) -> bool:
+        """Fail every queued request and stop the worker; False if a batch was still sampling after wait_s (its
+        images are discarded; the worker is a daemon thread and ends with it)."""
         with self._cond:
             self._closed = True
             jobs, self._jobs = self._jobs, []
@@ -119,7 +121,8 @@ class Batcher:
             self._cond.notify_all()
         for job in jobs:
             job._results.put(BatcherClosed("the generator shut down before the request finished"))
-        self._worker.join(timeout=60)
+        self._worker.join(timeout=wait_s)
+        return not self._worker.is_alive()
 
     def _set_queued(self, value: int) -> None:
         self._queued = value

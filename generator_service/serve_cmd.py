@@ -28,6 +28,7 @@ from generator_service.quality_filter import load_quality_filter
 from generator_service.servicer import GeneratorServicer, ServedModel
 
 log = logging.getLogger(__name__)
+BATCH_STOP_WAIT_S = 1.0  # after SIGTERM's grace, how long the batch being sampled may take to finish
 LOAD_POLL_S = 0.2  # how often the main thread looks for a stop signal while the backend loads
 
 
@@ -180,13 +181,14 @@ class GeneratorServer:
         self.server.stop(self.config.grace_s if grace_s is None else grace_s).wait()
         self.close()
 
-    def close(self) -> None:
-        """Release the batcher and the metrics endpoint (after the gRPC server has stopped)."""
-        if self.batcher is not None:
-            self.batcher.close()
+    def close(self, wait_s: float = 60.0) -> bool:
+        """Release the batcher and the metrics endpoint (after the gRPC server has stopped); False if a sampling
+        batch was still running after wait_s."""
+        finished = self.batcher.close(wait_s) if self.batcher is not None else True
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
+        return finished
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -291,6 +293,10 @@ def run(args: argparse.Namespace) -> int:
         server.stop(grace_s=0)
         raise failure[0]
     stopped.wait()
-    server.close()
+    if not server.close(wait_s=BATCH_STOP_WAIT_S):
+        # A quality-filtered batch on a loaded CPU samples for minutes; its requests already failed, and nothing of it
+        # is written anywhere, so leave now rather than past the launcher's grace.
+        log.info("generator stopped; the sampling batch in flight was abandoned")
+        lifetime.exit_now(0)
     log.info("generator stopped")
     return 0

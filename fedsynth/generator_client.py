@@ -154,7 +154,7 @@ def fetch_images(
                 for batch in call:
                     if stop is not None and stop.is_set():
                         call.cancel()
-                        break
+                        raise StopRequested(f"stopped while fetching images: {progress.total} of {int(want.sum())} arrived")
                     labels, images = progress.accept(batch, attempt_start)
                     on_batch(labels, images, progress.total - len(labels))
         except grpc.RpcError as exc:

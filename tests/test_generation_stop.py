@@ -116,3 +116,24 @@ def test_a_stop_that_is_never_set_changes_no_byte(replicas: int) -> None:
         client.close()
         server.stop(0)
     assert b"".join(fetched["with"]) == b"".join(fetched["without"]) and len(b"".join(fetched["with"])) == 12 * 64
+
+
+def test_a_stop_between_two_batches_raises_stop_not_a_short_stream() -> None:
+    server = GeneratorServer(ServeConfig(backend="holdout", dataset="digits", holdout_fraction=0.2, seed=3, max_batch=4,
+                                         metrics_port=-1), registry=CollectorRegistry())  # type: ignore[arg-type]
+    server.start()
+    server.load()
+    channel = grpcutil.make_channel(f"127.0.0.1:{server.port}")
+    stop, received = threading.Event(), []
+
+    def on_batch(labels, images, first) -> None:
+        received.append(len(labels))
+        stop.set()  # the next batch may already be here: the fetch must still stop, not report a broken stream
+
+    try:
+        with pytest.raises(StopRequested, match=r"of 12 arrived"):
+            fetch_images(channel, [12], seed=2, timeout_s=60, stop=stop, on_batch=on_batch)
+    finally:
+        channel.close()
+        server.stop(0)
+    assert 0 < sum(received) < 12

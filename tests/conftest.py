@@ -63,9 +63,3 @@ def tiny_generator(tmp_path_factory: pytest.TempPathFactory) -> Path:
         check=True, timeout=300, capture_output=True,
     )
     return out
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The `slow` tests first (a stable sort): on pytest-xdist the long ones then do not meet at the end of the run,
-    where one worker would finish them while the other idles."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

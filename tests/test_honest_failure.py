@@ -71,10 +71,10 @@ def test_launcher_report_names_the_failed_process(tmp_path: Path) -> None:
 
 def test_the_launcher_ends_a_run_whose_client_nodes_all_failed(tmp_path: Path) -> None:
     """Each node's DP-GAN overruns its deadline (runtime.registration_timeout_s) and the node exits 1; the coordinator
-    would wait registration + round timeout (600 s) for uploads that never come. The launcher ends it instead."""
+    would wait registration + round timeout (620 s) for uploads that never come. The launcher ends it instead."""
     out = tmp_path / "run"
     settings = {"data.clients": 2, "train.rounds": 1, "train.algorithm": "sdafl", "generation.policy": "none",
-                "sdafl.gan_steps": 1_000_000, "runtime.registration_timeout_s": 20, "runtime.round_timeout_s": 580}
+                "sdafl.gan_steps": 1_000_000, "runtime.registration_timeout_s": 40, "runtime.round_timeout_s": 580}
     sets = [item for o in overrides(settings) for item in ("--set", o)]
     started = time.monotonic()
     done = subprocess.run(fedsynth_command("run", *sets, "--out-dir", str(out), "--no-progress"),

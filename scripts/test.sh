@@ -23,7 +23,7 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv 2>/dev/null || { rm -rf .venv; apt_install python3-venv; python3 -m venv .venv; }
 fi
 .venv/bin/pip install -q --upgrade pip
-.venv/bin/pip install -q --no-compile -e '.[dev]'  # no .pyc for all of torch at install (~70 s): Python compiles what it imports
+.venv/bin/pip install -q -e '.[dev]'
 
 # tests/test_prometheus.py and tests/test_metrics_tls.py: a real Prometheus scrapes real processes.
 bash scripts/install_prometheus.sh >/dev/null

@@ -5,11 +5,13 @@ model; this script is the client, on the real client's path (fedsynth.transfer, 
 receives the task over Subscribe into one buffer, hashing as chunks arrive, decodes tensors as views of it, and
 sends the same weights straight back with SubmitUpdate ("training off"), which the coordinator verifies,
 decodes, validates and folds into its aggregate. The raw baseline sends the same bytes to an echo process
-over a plain TCP socket and reads them back. Prints a markdown table.
+over a plain TCP socket and reads them back; the echo receives every message into one buffer (a second raw row,
+a fresh buffer per message, is the baseline this script used before 2026-12-04). Prints a markdown table.
 
-    python benchmarks/transport.py --rounds 7 [--json FILE]
+    python benchmarks/transport.py --rounds 7 [--test-images N] [--json FILE]
 
---json writes {"raw_round_trip_s", "fedsynth_round_trip_s", "ratio" (raw / ours), "bytes", "rounds", "steps_s"}.
+--json writes {"raw_round_trip_s", "fedsynth_round_trip_s", "ratio" (raw / ours), "raw_fresh_buffer_round_trip_s",
+"ratio_against_fresh_buffer_raw", "bytes", "rounds", "test_images", "steps_s", ...}.
 """
 
 from __future__ import annotations
@@ -39,19 +41,24 @@ from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 from local_federation import cifar_shaped_folder
 
 MB = 1e6
-# Receives a length-prefixed blob, then sends it back whole: the same bytes, the same direction pattern.
+# Receives a length-prefixed blob, then sends it back whole: the same bytes, the same direction pattern. argv[1]
+# "reuse": one receive buffer for every message (the baseline); "fresh": a new one per message, as this script did
+# until 2026-12-04 (a fresh 45 MB buffer is a new mapping whose pages all fault on first write: ~0.05 s a round here).
 ECHO_SERVER = r"""
 import socket, sys
+reuse = sys.argv[1] == "reuse"
 listener = socket.create_server(("127.0.0.1", 0))
 print(listener.getsockname()[1], flush=True)
 conn, _ = listener.accept()
 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+buffer = bytearray()
 while True:
     head = conn.recv(8, socket.MSG_WAITALL)
     if len(head) < 8:
         break
     size = int.from_bytes(head, "little")
-    buffer = bytearray(size)
+    if size != len(buffer) or not reuse:
+        buffer = bytearray(size)
     view, got = memoryview(buffer), 0
     while got < size:
         got += conn.recv_into(view[got:])
@@ -121,9 +128,10 @@ def _chunks(stream: Iterator[pb.ServerMessage], count: int) -> Iterator[pb.Serve
             yield message
 
 
-def raw_tcp_round_trips(data: bytes, repeats: int) -> list[float]:
-    """Seconds to send `data` to an echo process over loopback TCP and read it all back."""
-    echo = subprocess.Popen([sys.executable, "-c", ECHO_SERVER], stdout=subprocess.PIPE, text=True)
+def raw_tcp_round_trips(data: bytes, repeats: int, *, reuse: bool = True) -> list[float]:
+    """Seconds to send `data` to an echo process over loopback TCP and read it all back (`reuse`: the echo receives
+    every message into one buffer)."""
+    echo = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, "reuse" if reuse else "fresh"], stdout=subprocess.PIPE, text=True)
     try:
         port = int(echo.stdout.readline())
         with socket.create_connection(("127.0.0.1", port)) as conn:
@@ -176,10 +184,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=7, help="measured round trips (the median is reported)")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    parser.add_argument("--test-images", type=int, default=2,
+                        help="the coordinator's test split (default %(default)s): its per-round test pass runs beside the "
+                             "next round's transfers, and one ResNet-18 pass over 20 images takes ~0.27 s of this 2-core CPU")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="fedsynth-transport-") as tmp:
         folder = Path(tmp)
-        cifar_shaped_folder(folder, train=40, test=20)  # few test images: the coordinator's evaluation stays negligible
+        cifar_shaped_folder(folder, train=40, test=args.test_images)
         group = ProcessGroup(folder / "logs")
         try:
             rounds = grpc_round_trips(start_coordinator(group, folder, args.rounds), args.rounds)
@@ -192,6 +203,7 @@ def main() -> None:
 
     weights = codec.encode(codec.join_prefixed(model=snapshot_state(build_model("resnet18", num_classes=10, in_channels=3, image_size=32))))
     raw = statistics.median(raw_tcp_round_trips(weights, args.rounds))
+    raw_fresh = statistics.median(raw_tcp_round_trips(weights, args.rounds, reuse=False))
     processing = coordinator_processing(weights, args.rounds)
     m = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
     size = m["bytes"]
@@ -200,7 +212,7 @@ def main() -> None:
     rate = lambda seconds, n=1: f"{n * size / seconds / MB:,.0f}"  # noqa: E731
 
     print(f"ResNet-18 weights: {size / MB:.1f} MB of safetensors in {codec.CHUNK_BYTES >> 10} KiB chunks; median of "
-          f"{args.rounds}; {platform.node()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n")
+          f"{args.rounds}; {args.test_images} test images; {platform.node()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n")
     print("| step | seconds | MB/s |")
     print("|---|---:|---:|")
     print(f"| push: Subscribe stream, task header to last chunk, written in place and hashed as it arrives | {m['push_transfer']:.3f} | {rate(m['push_transfer'])} |")
@@ -209,11 +221,13 @@ def main() -> None:
     print(f"| reply: SubmitUpdate until the coordinator answers | {m['reply_submit']:.3f} | {rate(m['reply_submit'])} |")
     print(f"| (the coordinator's in-place receive + SHA-256 + views + validation + aggregation of one update, timed in-process) | {processing:.3f} | |")
     print(f"| **round trip, real path (everything above)** | {total:.3f} | {rate(total, 2)} |")
-    print(f"| **raw TCP round trip** (same bytes to an echo process and back) | {raw:.3f} | {rate(raw, 2)} |")
+    print(f"| **raw TCP round trip** (same bytes to an echo process and back, one receive buffer) | {raw:.3f} | {rate(raw, 2)} |")
+    print(f"| (raw TCP, the echo allocating a fresh buffer per message: the baseline before 2026-12-04) | {raw_fresh:.3f} | {rate(raw_fresh, 2)} |")
     if args.json is not None:
         args.json.write_text(json.dumps({
             "raw_round_trip_s": raw, "fedsynth_round_trip_s": total, "ratio": raw / total, "bytes": size,
-            "rounds": args.rounds, "coordinator_processing_s": processing, "steps_s": m,
+            "raw_fresh_buffer_round_trip_s": raw_fresh, "ratio_against_fresh_buffer_raw": raw_fresh / total,
+            "rounds": args.rounds, "test_images": args.test_images, "coordinator_processing_s": processing, "steps_s": m,
         }, indent=2) + "\n")
     print(f"\nreal path round trip: {100 * raw / total:.0f}% of the raw socket rate; "
           f"push stream alone: {100 * (raw / 2) / m['push_transfer']:.0f}% of the raw one-way rate")

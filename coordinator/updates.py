@@ -47,11 +47,13 @@ def receive_update(
     state, extra = groups.get("model", {}), groups.get("extra", {})
     codec.check_like(state, layout, what=f"update from client {client_id}")
     expected = wire_dtype.torch_dtype(wire)
-    for name, tensor in extra.items():
-        if tensor.is_floating_point() and tensor.dtype != expected:
-            raise WireError(f"update from client {client_id}: extra tensor {name!r} has dtype {tensor.dtype}, expected {expected}")
-        if tensor.is_floating_point() and not codec.all_finite(tensor):
-            raise WireError(f"update: extra tensor {name!r} contains NaN or Inf")
+    floats = [tensor for tensor in extra.values() if tensor.is_floating_point()]
+    if any(tensor.dtype != expected for tensor in floats) or not codec.all_finite_many(floats):
+        for name, tensor in extra.items():  # a refused update only: name its first defect
+            if tensor.is_floating_point() and tensor.dtype != expected:
+                raise WireError(f"update from client {client_id}: extra tensor {name!r} has dtype {tensor.dtype}, expected {expected}")
+            if tensor.is_floating_point() and not codec.all_finite(tensor):
+                raise WireError(f"update: extra tensor {name!r} contains NaN or Inf")
     return ReceivedUpdate(state, extra, buffer.numel(), deltas=wire_dtype.sends_deltas(wire))
 
 

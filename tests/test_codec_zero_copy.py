@@ -275,3 +275,57 @@ def test_folding_a_checked_update_skips_only_the_repeated_check() -> None:
         trusted.add(decode_views(encode_to_buffer(update)), {}, weight, layout_checked=True)
     for key, value in checked.finish()[0].items():
         assert torch.equal(trusted.finish()[0][key], value), key
+
+
+def test_a_decoded_payload_is_checked_in_runs_and_every_bad_value_is_still_found() -> None:
+    """all_finite_many joins a payload's back-to-back views into a few passes: a NaN or infinity anywhere, in any
+    dtype run, at a tensor's edges, is found all the same; tensors that are not neighbours are checked on their own."""
+    g = torch.Generator().manual_seed(5)
+    tensors = {**mixed_tensors(), "model/conv.bias": torch.randn(4, generator=g), "model/fc.weight": torch.randn(10, 4, generator=g)}
+    floats = [name for name, value in tensors.items() if value.is_floating_point() and value.numel()]
+    views = decode_views(encode_to_buffer(tensors))
+    assert codec.all_finite_many(views.values())
+    runs = list(codec._contiguous_runs([views[name] for name in floats]))
+    assert len(runs) < len(floats) and sum(run.numel() for run in runs) == sum(views[name].numel() for name in floats)
+    for name in floats:
+        for where in (0, -1):
+            for bad in (math.nan, math.inf, -math.inf):
+                dirty = decode_views(encode_to_buffer(tensors))
+                dirty[name].view(-1)[where] = bad
+                assert not codec.all_finite_many(dirty.values()), (name, where, bad)
+    apart = {name: tensors[name].clone() for name in floats}  # separate storages: one run each
+    assert codec.all_finite_many(apart.values())
+    apart[floats[-1]].view(-1)[0] = math.nan
+    assert not codec.all_finite_many(apart.values())
+
+
+def test_check_like_names_the_first_defect_in_layout_order() -> None:
+    """The whole-payload check passes or fails as the tensor-by-tensor one did, and a refusal names the same tensor."""
+    g = torch.Generator().manual_seed(3)
+    template = {"a": torch.randn(4, 3, generator=g), "b": torch.randn(5, generator=g), "c": torch.randn(2, 2, generator=g)}
+    layout = codec.layout_of(template)
+    nan_in_a = {**template, "a": template["a"].clone()}
+    nan_in_a["a"][1, 1] = math.nan
+    with pytest.raises(WireError, match="tensor 'a' contains NaN"):
+        codec.check_like(decode_views(encode_to_buffer({**nan_in_a, "c": torch.randn(3, generator=g)})), layout, what="update")
+    with pytest.raises(WireError, match="tensor 'c' has shape"):
+        codec.check_like(decode_views(encode_to_buffer({**template, "c": torch.randn(3, generator=g)})), layout, what="update")
+    with pytest.raises(WireError, match="tensor 'b' has dtype"):
+        codec.check_like(decode_views(encode_to_buffer({**template, "b": template["b"].double()})), layout, what="update")
+    codec.check_like(decode_views(encode_to_buffer(template)), layout, what="update")
+
+
+def test_folding_in_one_call_gives_the_bits_of_folding_tensor_by_tensor() -> None:
+    """Aggregator.add folds all tensors with one torch call; the sum is the one an upcast-then-add per tensor gives."""
+    g = torch.Generator().manual_seed(4)
+    template = {"w": torch.randn(300, 7, generator=g), "b": torch.randn(7, generator=g).half(), "n": torch.tensor(3)}
+    updates = [{"w": torch.randn(300, 7, generator=g), "b": torch.randn(7, generator=g).half(), "n": torch.tensor(i)} for i in range(4)]
+    weights = (3.0, 1.0, 7.0, 0.3)
+    aggregator = Aggregator(template)
+    expected = {key: torch.zeros(value.shape, dtype=torch.float64) for key, value in template.items()}
+    for weight, update in zip(weights, updates):
+        aggregator.add(decode_views(encode_to_buffer(update)), {}, weight, layout_checked=True)
+        for key, value in update.items():
+            expected[key].add_(value.to(torch.float64), alpha=weight)
+    for key, total in expected.items():
+        assert torch.equal(aggregator._sums[key], total), key

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from deploy.processes import ProcessGroup, fedsynth_command, wait_for_file
-from fedsynth import codec, grpcutil
+from fedsynth import codec, data_plane, grpcutil
 from fedsynth.raw_messages import submit_update_call
 from fedsynth.tensor_buffer import decode_views, encode_to_buffer
 from fedsynth.transfer import chunk_messages, describe_buffer, receive_into
@@ -66,43 +66,53 @@ while True:
 """
 
 
-def start_coordinator(group: ProcessGroup, folder: Path, rounds: int) -> str:
+def start_coordinator(group: ProcessGroup, folder: Path, rounds: int, plane: str) -> str:
     settings = {
         "data.dataset": "cifar10", "data.data_dir": str(folder), "data.clients": 1, "train.model": "resnet18",
         "train.rounds": rounds, "generation.policy": "none", "runtime.heartbeat_s": 5.0, "runtime.heartbeat_timeout_s": 15.0,
+        "runtime.data_plane": plane,
     }
     sets = [item for key, value in settings.items() for item in ("--set", f"{key}={json.dumps(value)}")]
-    port_file = folder / "coordinator.port"
-    child = group.start("coordinator", fedsynth_command("coordinator", *sets, "--out-dir", str(folder / "run"), "--port", "0", "--port-file", str(port_file), "--insecure"))
+    port_file = folder / f"coordinator-{plane}.port"
+    child = group.start(f"coordinator-{plane}", fedsynth_command("coordinator", *sets, "--out-dir", str(folder / f"run-{plane}"), "--port", "0",
+                                                                "--port-file", str(port_file), "--insecure"))
     return f"127.0.0.1:{wait_for_file(port_file, child, timeout_s=180)}"
 
 
 def grpc_round_trips(address: str, rounds: int) -> list[dict[str, float]]:
-    """Per round: seconds spent receiving, verifying and decoding the push, and sending the weights back."""
+    """Per round: seconds spent receiving, verifying and decoding the push, and sending the weights back, on the
+    client's path: chunks on gRPC streams, or the data plane when the task carries a ticket."""
     channel = grpcutil.make_channel(address)
     stub = pb_grpc.CoordinatorStub(channel)
     submit = submit_update_call(channel)
     spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=60, wait_for_ready=True)
-    session = stub.Register(pb.RegisterRequest(client_id=0, num_samples=1, run_id=spec.run_id), timeout=60).session
+    reply = stub.Register(pb.RegisterRequest(client_id=0, num_samples=1, run_id=spec.run_id), timeout=60)
+    session, endpoint = reply.session, data_plane.Endpoint("127.0.0.1", reply.data_port)
     stream = stub.Subscribe(pb.SubscribeRequest(client_id=0, session=session), timeout=3600)
     timings = []
     try:
         for _ in range(rounds):
             task = next(m.task for m in stream if m.WhichOneof("kind") == "task")
             started = time.perf_counter()
-            meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
-            buffer = receive_into(meta, ((m.chunk.seq, m.chunk.data) for m in _chunks(stream, task.payload.num_chunks)))
-            received = verified = time.perf_counter()  # the SHA-256 is computed while the chunks arrive
+            if task.data_ticket:  # hashed (BLAKE3) as it arrives
+                buffer = data_plane.fetch(endpoint, task.data_ticket, timeout_s=600)
+            else:  # the SHA-256 is computed while the chunks arrive
+                meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
+                buffer = receive_into(meta, ((m.chunk.seq, m.chunk.data) for m in _chunks(stream, task.payload.num_chunks)))
+            received = verified = time.perf_counter()
             state = codec.split_prefixed(decode_views(buffer))["model"]
             decoded = time.perf_counter()
             payload = encode_to_buffer(codec.join_prefixed(model=state))
-            reply_meta = describe_buffer(payload)
+            reply_meta = codec.PayloadMeta(payload.numel(), "", codec.num_chunks(payload.numel())) if task.data_ticket else describe_buffer(payload)
             encoded = time.perf_counter()
             header = pb.UpdateHeader(
                 client_id=0, session=session, round=task.round, task_id=task.task_id,
                 payload=pb.Payload(total_bytes=reply_meta.total_bytes, sha256=reply_meta.sha256, num_chunks=reply_meta.num_chunks),
             )
-            submit(_reply(header, payload), timeout=600)
+            if task.data_ticket:  # hashed as it is sent
+                data_plane.submit(endpoint, task.data_ticket, header.SerializeToString(), payload, timeout_s=600)
+            else:
+                submit(_reply(header, payload), timeout=600)
             sent = time.perf_counter()
             timings.append({
                 "bytes": float(buffer.numel()), "push_transfer": received - started, "push_verify": verified - received,
@@ -184,17 +194,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=7, help="measured round trips (the median is reported)")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    parser.add_argument("--planes", nargs="+", choices=("grpc", "tcp"), default=["grpc", "tcp"],
+                        help="runtime.data_plane settings to measure, one coordinator each, one after the other (default: both)")
     parser.add_argument("--test-images", type=int, default=2,
                         help="the coordinator's test split (default %(default)s): its per-round test pass runs beside the "
                              "next round's transfers, and one ResNet-18 pass over 20 images takes ~0.27 s of this 2-core CPU")
     args = parser.parse_args()
+    steps: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="fedsynth-transport-") as tmp:
         folder = Path(tmp)
         cifar_shaped_folder(folder, train=40, test=args.test_images)
         group = ProcessGroup(folder / "logs")
         try:
-            rounds = grpc_round_trips(start_coordinator(group, folder, args.rounds), args.rounds)
-            group.children[0].process.wait(timeout=60)  # the run ends by itself after the last round
+            for plane in args.planes:
+                rounds = grpc_round_trips(start_coordinator(group, folder, args.rounds, plane), args.rounds)
+                group.children[-1].process.wait(timeout=60)  # the run ends by itself after the last round
+                steps[plane] = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
         finally:
             group.stop_all(grace_s=5.0)
 
@@ -205,32 +220,34 @@ def main() -> None:
     raw = statistics.median(raw_tcp_round_trips(weights, args.rounds))
     raw_fresh = statistics.median(raw_tcp_round_trips(weights, args.rounds, reuse=False))
     processing = coordinator_processing(weights, args.rounds)
-    m = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
-    size = m["bytes"]
-    push = m["push_transfer"] + m["push_verify"] + m["push_decode"]
-    total = push + m["reply_encode"] + m["reply_submit"]
+    totals = {plane: m["push_transfer"] + m["push_verify"] + m["push_decode"] + m["reply_encode"] + m["reply_submit"]
+              for plane, m in steps.items()}
+    size = next(iter(steps.values()))["bytes"]
     rate = lambda seconds, n=1: f"{n * size / seconds / MB:,.0f}"  # noqa: E731
+    column = lambda key: " | ".join(f"{steps[p][key]:.3f}" for p in steps)  # noqa: E731
 
-    print(f"ResNet-18 weights: {size / MB:.1f} MB of safetensors in {codec.CHUNK_BYTES >> 10} KiB chunks; median of "
+    print(f"ResNet-18 weights: {size / MB:.1f} MB of safetensors; gRPC in {codec.CHUNK_BYTES >> 10} KiB chunks; median of "
           f"{args.rounds}; {args.test_images} test images; {platform.node()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n")
-    print("| step | seconds | MB/s |")
-    print("|---|---:|---:|")
-    print(f"| push: Subscribe stream, task header to last chunk, written in place and hashed as it arrives | {m['push_transfer']:.3f} | {rate(m['push_transfer'])} |")
-    print(f"| push: safetensors header + tensor views (client) | {m['push_verify'] + m['push_decode']:.3f} | |")
-    print(f"| reply: safetensors encode into one buffer + SHA-256 (client) | {m['reply_encode']:.3f} | |")
-    print(f"| reply: SubmitUpdate until the coordinator answers | {m['reply_submit']:.3f} | {rate(m['reply_submit'])} |")
-    print(f"| (the coordinator's in-place receive + SHA-256 + views + validation + aggregation of one update, timed in-process) | {processing:.3f} | |")
-    print(f"| **round trip, real path (everything above)** | {total:.3f} | {rate(total, 2)} |")
-    print(f"| **raw TCP round trip** (same bytes to an echo process and back, one receive buffer) | {raw:.3f} | {rate(raw, 2)} |")
-    print(f"| (raw TCP, the echo allocating a fresh buffer per message: the baseline before 2026-12-04) | {raw_fresh:.3f} | {rate(raw_fresh, 2)} |")
+    print("| step | " + " | ".join(f"runtime.data_plane = {p} (s)" for p in steps) + " |")
+    print("|---|" + "---:|" * len(steps))
+    print(f"| push: task header to last byte, written in place and hashed as it arrives (gRPC: SHA-256 of 1 MiB chunks on the Subscribe stream; tcp: BLAKE3 on one connection) | {column('push_transfer')} |")
+    decode = " | ".join(f"{m['push_verify'] + m['push_decode']:.3f}" for m in steps.values())
+    print(f"| push: safetensors header + tensor views (client) | {decode} |")
+    print(f"| reply: safetensors encode into one buffer (+ SHA-256 for gRPC; tcp hashes while sending) | {column('reply_encode')} |")
+    print(f"| reply: upload until the coordinator answers (verified, checked and folded) | {column('reply_submit')} |")
+    print("| **round trip, real path (everything above)** | " + " | ".join(f"**{t:.3f}**" for t in totals.values()) + " |")
+    print("| ratio: raw TCP ÷ round trip | " + " | ".join(f"{raw / t:.2f}" for t in totals.values()) + " |")
+    print(f"\nraw TCP round trip (same bytes to an echo process and back, one receive buffer): {raw:.3f} s ({rate(raw, 2)} MB/s); "
+          f"with a fresh buffer per message (the baseline before 2026-12-04): {raw_fresh:.3f} s. The coordinator's in-place "
+          f"receive + SHA-256 + views + validation + aggregation of one update, timed in-process: {processing:.3f} s.")
     if args.json is not None:
+        best = "tcp" if "tcp" in totals else "grpc"
         args.json.write_text(json.dumps({
-            "raw_round_trip_s": raw, "fedsynth_round_trip_s": total, "ratio": raw / total, "bytes": size,
-            "raw_fresh_buffer_round_trip_s": raw_fresh, "ratio_against_fresh_buffer_raw": raw_fresh / total,
-            "rounds": args.rounds, "test_images": args.test_images, "coordinator_processing_s": processing, "steps_s": m,
+            "raw_round_trip_s": raw, "fedsynth_round_trip_s": totals[best], "ratio": raw / totals[best], "fedsynth_data_plane": best,
+            "round_trip_s": totals, "ratios": {p: raw / t for p, t in totals.items()}, "bytes": size,
+            "raw_fresh_buffer_round_trip_s": raw_fresh, "rounds": args.rounds, "test_images": args.test_images,
+            "coordinator_processing_s": processing, "steps_s": steps,
         }, indent=2) + "\n")
-    print(f"\nreal path round trip: {100 * raw / total:.0f}% of the raw socket rate; "
-          f"push stream alone: {100 * (raw / 2) / m['push_transfer']:.0f}% of the raw one-way rate")
 
 
 if __name__ == "__main__":

@@ -69,7 +69,8 @@ def node_options(args: argparse.Namespace, ids: list[int]) -> dict[int, NodeOpti
             raise ConfigError(f"certificate {files.cert} is {files.identity().node_id}'s, not client-{cid}'s")
         credentials = None if files is None else tls.channel_credentials(files)
         options[cid] = NodeOptions(coordinator=args.coordinator, generator=args.generator, cache_dir=Path(args.cache_dir),
-                                   reconnect_timeout_s=args.reconnect_timeout, credentials=credentials)
+                                   reconnect_timeout_s=args.reconnect_timeout, credentials=credentials,
+                                   data_plane_tls=None if files is None else tls.ssl_client_context(files))
     return options
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -18,8 +19,9 @@ from client_node.heartbeats import send_heartbeats
 from client_node.metrics import ClientMetrics
 from client_node.sdafl_client import ensure_samples, upload
 from client_node.synthesis import SyntheticSet, fedeas_total, synthesize
-from fedsynth import codec, grpcutil, wire_dtype
+from fedsynth import codec, data_plane, grpcutil, wire_dtype
 from fedsynth.assembly import algorithm_for, client_seed, client_shard, local_train_config, model_for, round_generator
+from fedsynth.codec import num_chunks
 from fedsynth.config import RunConfig, from_json
 from fedsynth.errors import FedsynthError, StopRequested, WireError
 from fedsynth.raw_messages import submit_update_call
@@ -42,6 +44,7 @@ class NodeOptions:
     cache_dir: Path
     reconnect_timeout_s: float = 300.0
     credentials: grpc.ChannelCredentials | None = None
+    data_plane_tls: ssl.SSLContext | None = None  # the same identity as `credentials`, for the coordinator's data plane
 
 
 @dataclass
@@ -75,6 +78,7 @@ class LogicalClient:
         self.stop = stop
         self.state: ClientState | None = None
         self._stream: grpc.Future | None = None
+        self._data_plane: data_plane.Endpoint | None = None  # announced at registration (runtime.data_plane = "tcp")
 
     def cancel(self) -> None:
         """Break out of a blocking dispatch stream (used on SIGTERM)."""
@@ -148,6 +152,8 @@ class LogicalClient:
             means_x, means_y = mean_data(self.state.real_x, self.state.real_y, num_classes=self.num_classes, mean_batch=mean_batch,
                                          seed=client_seed(cfg, self.client_id, "fedmix-means") % (2**32))
             upload_mean_data(stub, self.client_id, reply.session, means_x, means_y, mean_batch=mean_batch, timeout_s=RPC_TIMEOUT_S * 4)
+        self._data_plane = None if not reply.data_port else data_plane.Endpoint(
+            self.options.coordinator.rpartition(":")[0].strip("[]"), reply.data_port, self.options.data_plane_tls)
         log.info("client %d: registered (N_k=%d, %d rounds done)", self.client_id, len(self.state.real_y), reply.completed_rounds)
         stream = stub.Subscribe(pb.SubscribeRequest(client_id=self.client_id, session=reply.session), timeout=SUBSCRIBE_TIMEOUT_S)
         self._stream = stream
@@ -199,8 +205,11 @@ class LogicalClient:
                 received += 1
                 yield message.chunk.seq, message.chunk.data
 
-        meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
-        buffer = receive_into(meta, chunks())
+        if task.data_ticket:
+            buffer = data_plane.fetch(self._endpoint(), task.data_ticket, timeout_s=max(RPC_TIMEOUT_S, task.deadline_s))
+        else:
+            meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
+            buffer = receive_into(meta, chunks())
         self.metrics.bytes_received.inc(buffer.numel())
         return codec.split_prefixed(decode_views(buffer))
 
@@ -250,7 +259,8 @@ class LogicalClient:
         model_group, extra_group = wire_dtype.outgoing(update.state, update.extra, global_state, cfg.runtime.wire_dtype)
         payload = encode_to_buffer(codec.join_prefixed(model=model_group, extra=extra_group))
         del model_group, extra_group  # the cast copies (float16 / bfloat16): the payload holds their bytes now
-        meta = describe_buffer(payload)
+        # on the data plane the bytes are BLAKE3-hashed as they are sent: no SHA-256, no chunk messages
+        meta = codec.PayloadMeta(payload.numel(), "", num_chunks(payload.numel())) if task.data_ticket else describe_buffer(payload)
         header = pb.UpdateHeader(
             client_id=self.client_id,
             session=session,
@@ -268,15 +278,22 @@ class LogicalClient:
             yield pb.UpdateChunk(header=header)
             yield from chunk_messages(payload)
 
+        def submit() -> object:
+            timeout_s = max(RPC_TIMEOUT_S, task.deadline_s)
+            if task.data_ticket:
+                return data_plane.submit(self._endpoint(), task.data_ticket, header.SerializeToString(), payload, timeout_s=timeout_s)
+            return self._submit_update(messages(), timeout=timeout_s)
+
         log.info("client %d: uploading round %d (%d bytes)", self.client_id, task.round, meta.total_bytes)
-        grpcutil.call_with_retry(
-            lambda: self._submit_update(messages(), timeout=max(RPC_TIMEOUT_S, task.deadline_s)),
-            deadline_s=max(RPC_TIMEOUT_S, task.deadline_s),
-            what=f"client {self.client_id} submit",
-        )
+        grpcutil.call_with_retry(submit, deadline_s=max(RPC_TIMEOUT_S, task.deadline_s), what=f"client {self.client_id} submit")
         self.metrics.bytes_sent.inc(meta.total_bytes)
         self.metrics.rounds.inc()
         log.info("client %d: round %d done (%.1fs training, loss %.4f)", self.client_id, task.round, train_seconds, update.train_loss)
+
+    def _endpoint(self) -> data_plane.Endpoint:
+        if self._data_plane is None:
+            raise WireError("the task names a data-plane ticket but the coordinator announced no data-plane port")
+        return self._data_plane
 
     def _shared_synthetic(self, group: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """SDA-FL: keep the shared images (sent once), apply this round's labels; labelled samples only."""

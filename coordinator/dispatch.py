@@ -15,6 +15,7 @@ class TaskDelivery:
     deadline_s: float
     quota: list[int]
     payload: PreparedPayload  # chunk messages serialized once per round, shared by every client
+    ticket: bytes = b""  # the data plane's: the client fetches the payload (and submits its update) with it
 
     @property
     def meta(self) -> codec.PayloadMeta:

@@ -20,16 +20,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from coordinator.dispatch import TaskDelivery
 from coordinator.fedgen_server import FedGenServer
 from coordinator.mean_pool import MeanDataPool
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.progress import ProgressFeed
 from coordinator.registry import ClientRegistry
+from coordinator.rounds import RoundInProgress
 from coordinator.round_driver import RoundDriver
 from coordinator.run_state import RunState
 from coordinator.sdafl_server import SdaflServer
-from coordinator.updates import local_state, receive_update
-from fedsynth import codec, wire_dtype
+from coordinator.updates import decode_update, local_state
+from fedsynth import wire_dtype
 from fedsynth.algorithms.fedgen import FedGen, head_keys
 from fedsynth.assembly import algorithm_for, model_for
 from fedsynth.config import RunConfig
@@ -69,6 +71,7 @@ class Federation:
                                   algorithm=algorithm, sdafl=self.sdafl, metrics=metrics, progress=self.progress,
                                   test_data=test_data, mean_pool=self.mean_pool, fedgen=self.fedgen)
         self.started = time.time()
+        self.data_port = 0  # the data plane's, once it listens (runtime.data_plane = "tcp")
         if self.mean_pool is not None:
             self.mean_pool.load(out_dir)
         self.state.resume(out_dir, self.sdafl)  # a fresh run's initial model is evaluated by the round loop
@@ -125,6 +128,7 @@ class Federation:
             self.registry.drop_silent(runtime.heartbeat_timeout_s)
 
     def mark_delivered(self, client_id: int, task_id: str, num_bytes: int) -> None:
+        self.metrics.bytes_sent.inc(num_bytes)
         with self.lock:
             rnd = self.driver.current
             if rnd is not None and rnd.task_id == task_id:
@@ -135,6 +139,17 @@ class Federation:
                 record = self.registry.clients.get(client_id)
                 if record is not None and (self.sdafl is not None or self.mean_pool is not None):
                     record.has_synthetic = True
+
+    def data_plane_client(self, ticket: bytes, *, task: bool) -> tuple[int, RoundInProgress, TaskDelivery | None]:
+        """The client a data-plane ticket was issued to, its round, and (`task`) its task: the payload to send it."""
+        with self.lock:
+            rnd = self.driver.current
+            client_id = None if rnd is None else rnd.tickets.get(ticket)
+            if rnd is None or client_id is None:
+                raise StateError("unknown data-plane ticket: its round is over, or it was never issued")
+            if not rnd.awaits(client_id):
+                raise StateError(f"client {client_id} already answered round {rnd.number}")
+            return client_id, rnd, self.driver.delivery(rnd, client_id) if task else None
 
     def watch(self) -> queue.Queue[dict[str, Any]]:
         with self.lock:
@@ -161,11 +176,12 @@ class Federation:
             record = self.registry.record(header["client_id"], header["session"])
         return self.mean_pool.accept(header["client_id"], record.num_samples, header, chunks)
 
-    def accept_update(self, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]], *,
+    def accept_update(self, header: dict[str, Any], receive: Callable[[int], torch.Tensor], *,
                       receiving: Callable[[], AbstractContextManager[object]] = nullcontext) -> None:
         """Validate and fold one client's update into the round's running sum; the global model is never touched.
-        The bytes are received, and the update held, inside `receiving()` (the servicer's receive slot), entered only
-        once the header fits the open round: a refused update never waits for a slot."""
+        `receive(max_bytes)` returns the update's bytes, verified against their digest (the gRPC chunks or the data
+        plane). They are received, and the update held, inside `receiving()` (a receive slot), entered only once the
+        header fits the open round: a refused update never waits for a slot."""
         client_id = header["client_id"]
         with self.lock:
             record = self.registry.record(client_id, header["session"])
@@ -177,11 +193,9 @@ class Federation:
                 raise StateError(f"client {client_id} was not sampled in round {rnd.number} or already answered")
             # read under the lock: a round that closes meanwhile lets go of its payload and global state
             max_bytes, global_state = 2 * rnd.payload.meta.total_bytes + (1 << 20), rnd.global_state
-        meta = codec.PayloadMeta(header["total_bytes"], header["sha256"], header["num_chunks"])
         with receiving():
-            log.info("round %d: receiving client %d's update (%d bytes)", rnd.number, client_id, meta.total_bytes)
-            update = receive_update(meta, chunks, max_bytes=max_bytes, layout=self.update_layout, client_id=client_id,
-                                    wire=self.cfg.runtime.wire_dtype)
+            log.info("round %d: receiving client %d's update (%d bytes)", rnd.number, client_id, header["total_bytes"])
+            update = decode_update(receive(max_bytes), layout=self.update_layout, client_id=client_id, wire=self.cfg.runtime.wire_dtype)
             labels = self._pseudo_labels(client_id, local_state(update, global_state)) if self.sdafl is not None else None
             with self.lock:
                 if self.driver.current is not rnd or not rnd.awaits(client_id):

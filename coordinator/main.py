@@ -14,7 +14,7 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.server import create_server
 from fedsynth import allocator, grpcutil, lifetime, tls
 from fedsynth.config import load_config
-from fedsynth.errors import QuorumError
+from fedsynth.errors import ConfigError, QuorumError
 from fedsynth.metrics import add_metrics_arguments, linger_for_final_scrape, serve_metrics_from_args
 from fedsynth.partition import check_partition
 from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_INTERNAL, EXIT_OK, setup_logging, write_atomic, write_json
@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=None, help="address to bind (default: the config's runtime.host with TLS; 127.0.0.1 with --insecure)")
     parser.add_argument("--port", type=int, default=None, help="port to bind; 0 picks a free one (default: runtime.coordinator_port)")
     parser.add_argument("--port-file", help="write the bound port to this file once serving")
+    parser.add_argument("--data-port", type=int, default=0,
+                        help="with runtime.data_plane = \"tcp\": the data plane's port on the same host (default 0: a free one, "
+                             "announced to each client at registration; fix it where a firewall must let it through)")
     add_metrics_arguments(parser, linger=True)
     parser.add_argument("--log-level", default="INFO")
     tls.add_tls_arguments(parser, server=True)
@@ -46,7 +49,9 @@ def run(args: argparse.Namespace) -> int:
     host = security.bind_host(args.host, cfg.runtime.host)
     port = cfg.runtime.coordinator_port if args.port is None else args.port
     metrics_server = serve_metrics_from_args(args, security.files, security.revoked)
-    coordinator, bound = create_server(cfg, out_dir=out_dir, host=host, port=port, security=security,
+    if not 0 <= args.data_port <= 65535:
+        raise ConfigError(f"--data-port must be a port number (0-65535), got {args.data_port}")
+    coordinator, bound = create_server(cfg, out_dir=out_dir, host=host, port=port, data_port=args.data_port, security=security,
                                        metrics=CoordinatorMetrics())
     federation = coordinator.federation
     # 2 s for in-flight RPCs on SIGTERM: completed rounds are checkpointed already, and a child must be gone soon

@@ -35,7 +35,7 @@ from fedsynth.errors import QuorumError
 from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_INTERNAL, EXIT_OK
 from fedsynth.tensor_buffer import encode_to_buffer
 from fedsynth.training import TrainData, evaluate
-from fedsynth.transfer import PreparedPayload, prepare
+from fedsynth.transfer import PreparedPayload, prepare, prepare_for_data_plane
 
 log = logging.getLogger(__name__)
 
@@ -182,10 +182,13 @@ class RoundDriver:
         if (self.sdafl is not None or self.mean_pool is not None) and record is not None and not record.has_synthetic:
             if rnd.payload_with_images is None:
                 rnd.payload_with_images = self._task_payload(rnd.global_state, with_images=True)
-            return TaskDelivery(rnd.task_id, rnd.number, rnd.deadline_s, quota, rnd.payload_with_images)
-        if not rnd.payload.messages:  # dropped once every sampled client had it: this one rejoined since
-            rnd.payload = self._task_payload(rnd.global_state, with_images=False)
-        return TaskDelivery(rnd.task_id, rnd.number, rnd.deadline_s, quota, rnd.payload)
+            payload = rnd.payload_with_images
+        else:
+            if not rnd.payload.ready:  # dropped once every sampled client had it: this one rejoined since
+                rnd.payload = self._task_payload(rnd.global_state, with_images=False)
+            payload = rnd.payload
+        ticket = rnd.ticket_for(client_id) if payload.by_data_plane else b""
+        return TaskDelivery(rnd.task_id, rnd.number, rnd.deadline_s, quota, payload, ticket)
 
     def _task_payload(self, global_state: dict[str, torch.Tensor], *, with_images: bool) -> PreparedPayload:
         """Encoded, hashed and cut into chunk messages once per round (and kind of task), whoever receives it."""
@@ -194,7 +197,11 @@ class RoundDriver:
             groups["synthetic"] = self.sdafl.task_groups(with_images=with_images)
         if self.mean_pool is not None:
             groups["mean"] = self.mean_pool.task_group(with_data=with_images)
-        return prepare(encode_to_buffer(codec.join_prefixed(**groups)))
+        buffer = encode_to_buffer(codec.join_prefixed(**groups))
+        runtime = self.cfg.runtime
+        if runtime.data_plane == "tcp" and buffer.numel() >= runtime.data_plane_min_bytes:
+            return prepare_for_data_plane(buffer)
+        return prepare(buffer)
 
     def _play_round(self, number: int) -> None:
         state = self.state

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -29,7 +30,9 @@ class RoundInProgress:
     bytes_sent: int = 0
     global_state: dict[str, torch.Tensor] = field(default_factory=dict)
     payload_with_images: PreparedPayload | None = None  # SDA-FL: the task for clients that lack the shared images
+    tickets: dict[bytes, int] = field(default_factory=dict)  # the data plane's ticket -> the client it was issued to
     _sampled: frozenset[int] = field(init=False, repr=False)
+    _ticket_of: dict[int, bytes] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self._sampled = frozenset(self.sampled)
@@ -51,6 +54,15 @@ class RoundInProgress:
     def complete(self) -> bool:
         """Every sampled client answered (answers come only from sampled clients)."""
         return len(self.answered) >= len(self.sampled)
+
+    def ticket_for(self, client_id: int) -> bytes:
+        """This client's data-plane ticket for the round (one per client, issued on its first delivery): a 128-bit
+        secret that only its dispatch stream carries."""
+        ticket = self._ticket_of.get(client_id)
+        if ticket is None:
+            ticket = self._ticket_of[client_id] = secrets.token_bytes(16)
+            self.tickets[ticket] = client_id
+        return ticket
 
     def awaits(self, client_id: int) -> bool:
         """This client was sampled and has not answered yet: O(1), called once per update at K = 100 and more."""

@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health
 
+from coordinator.data_plane import DataPlaneServer
 from coordinator.federation import Federation
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
@@ -46,12 +47,15 @@ class CoordinatorServer:
     federation: Federation
     port: int
     liveness_stop: threading.Event
+    data_plane: DataPlaneServer | None = None
 
     def stop(self, grace_s: float = 2.0) -> None:
         """Graceful: health says NOT_SERVING, open dispatch streams end, in-flight RPCs get grace_s."""
         self.liveness_stop.set()
         self.health.enter_graceful_shutdown()
         self.federation.close_streams()
+        if self.data_plane is not None:
+            self.data_plane.stop()
         self.server.stop(grace=grace_s).wait(grace_s + 3.0)
 
 
@@ -61,22 +65,31 @@ def create_server(
     out_dir: Path,
     host: str = "127.0.0.1",
     port: int = 0,
+    data_port: int = 0,
     security: tls.ServerSecurity | None = None,
     metrics: CoordinatorMetrics | None = None,
 ) -> tuple[CoordinatorServer, int]:
-    """Build the federation (data, model, checkpoint resume), bind host:port (0 picks a free port), start serving and
-    report SERVING; the rounds start only when the caller runs `server.federation.run()`."""
+    """Build the federation (data, model, checkpoint resume), bind host:port (0 picks a free port) and, with
+    runtime.data_plane = "tcp", the data plane on host:data_port, start serving and report SERVING; the rounds start
+    only when the caller runs `server.federation.run()`."""
     security = security or tls.ServerSecurity(files=None)
     credentials = security.credentials()
     federation = Federation(cfg, out_dir, metrics or CoordinatorMetrics())
     # A dispatch stream holds a worker thread per connected client; leave room for uploads and health checks.
     server = grpcutil.make_server(max_workers=max(16, 2 * cfg.data.clients + 8), extra_options=UPLOAD_FLOW_CONTROL_OPTIONS)
-    servicer = security.guard(CoordinatorServicer(federation, cfg.runtime.heartbeat_s), CLAIMED_CLIENT_ID)
-    add_strictly(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, servicer, server)
+    servicer = CoordinatorServicer(federation, cfg.runtime.heartbeat_s)
+    add_strictly(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, security.guard(servicer, CLAIMED_CLIENT_ID), server)
+    data_plane = None
+    if cfg.runtime.data_plane == "tcp":  # shares the receive slots: at most two large updates in memory, whichever path
+        data_plane = DataPlaneServer(federation, servicer.receive_slots, host=host, port=data_port, revoked=security.revoked,
+                                     tls=None if security.files is None else tls.ssl_server_context(security.files))
+        federation.data_port = data_plane.port
     health_servicer = grpcutil.add_health(server, SERVICE_NAME)
     bound = grpcutil.bind(server, f"{host}:{port}", credentials)
     server.start()
+    if data_plane is not None:
+        data_plane.start()
     grpcutil.set_serving(health_servicer, SERVICE_NAME)
     liveness_stop = threading.Event()
     threading.Thread(target=federation.check_liveness, args=(liveness_stop,), name="liveness", daemon=True).start()
-    return CoordinatorServer(server, health_servicer, federation, bound, liveness_stop), bound
+    return CoordinatorServer(server, health_servicer, federation, bound, liveness_stop, data_plane), bound

@@ -14,7 +14,10 @@ import grpc
 from coordinator.dispatch import Finished, TaskDelivery
 from coordinator.federation import Federation
 from coordinator.receive_slots import SLOTTED_UPLOAD_BYTES, UPLOAD_SLOTS, ReceiveSlots, UploadCancelled
+from coordinator.updates import header_fields
+from fedsynth import codec
 from fedsynth.errors import StateError, WireError
+from fedsynth.transfer import receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -41,9 +44,10 @@ def _payload_fields(header: Any) -> dict[str, Any]:
 
 def _task_messages(item: TaskDelivery) -> Iterator[pb.ServerMessage | bytes]:
     meta = pb.Payload(total_bytes=item.meta.total_bytes, sha256=item.meta.sha256, num_chunks=item.meta.num_chunks)
-    task = pb.Task(round=item.round, task_id=item.task_id, deadline_s=item.deadline_s, generation_quota=item.quota, payload=meta)
+    task = pb.Task(round=item.round, task_id=item.task_id, deadline_s=item.deadline_s, generation_quota=item.quota, payload=meta,
+                   data_ticket=item.ticket)
     yield pb.ServerMessage(task=task)
-    yield from item.payload.messages  # serialized once per round; the stream's serializer passes bytes through
+    yield from item.payload.messages  # none for the data plane; serialized once per round, passed through as bytes
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -79,6 +83,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             completed_rounds=self.federation.completed,
             synthetic_uploaded=sdafl is not None and sdafl.uploaded(request.client_id),
             mean_data_wanted=mean_pool is not None and mean_pool.wanted(request.client_id),
+            data_port=self.federation.data_port,
         )
 
     def Subscribe(self, request: pb.SubscribeRequest, context: grpc.ServicerContext) -> Iterator[pb.ServerMessage]:
@@ -99,8 +104,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 yield pb.ServerMessage(finished=pb.RunFinished(reason=item.reason, success=item.success, exit_code=item.exit_code))
                 return
             yield from _task_messages(item)
-            self.federation.mark_delivered(request.client_id, item.task_id, item.meta.total_bytes)
-            self.federation.metrics.bytes_sent.inc(item.meta.total_bytes)
+            if not item.ticket:  # the data plane marks its own deliveries, once the client has fetched the payload
+                self.federation.mark_delivered(request.client_id, item.task_id, item.meta.total_bytes)
 
     def Heartbeat(self, request: pb.ClientHeartbeat, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         try:
@@ -112,27 +117,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def SubmitUpdate(self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext) -> pb.SubmitReply:
         try:
             h = _first_header(request_iterator, "an update stream must start with an UpdateHeader")
-            header = {
-                "client_id": h.client_id,
-                "session": h.session,
-                "round": h.round,
-                "task_id": h.task_id,
-                **_payload_fields(h),
-                "train_seconds": h.train_seconds,
-                "train_loss": h.train_loss,
-                "generation": (
-                    {
-                        "images": h.generation.images,
-                        "wall_seconds": h.generation.wall_seconds,
-                        "cache_hit": h.generation.cache_hit,
-                    }
-                    if h.HasField("generation")
-                    else None
-                ),
-            }
+            header = header_fields(h)
             large = header["total_bytes"] >= SLOTTED_UPLOAD_BYTES
-            self.federation.accept_update(header, self._chunks(request_iterator), receiving=lambda: self.receive_slots.hold(
-                context.is_active, what=f"client {h.client_id}'s update for round {h.round}") if large else nullcontext(True))
+            meta = codec.PayloadMeta(header["total_bytes"], header["sha256"], header["num_chunks"])
+            chunks = self._chunks(request_iterator)
+            self.federation.accept_update(
+                header, lambda max_bytes: receive_into(meta, chunks, max_bytes=max_bytes),
+                receiving=lambda: self.receive_slots.hold(
+                    context.is_active, what=f"client {h.client_id}'s update for round {h.round}") if large else nullcontext(True))
         except UploadCancelled as exc:  # its deadline passed or it was cancelled while waiting: nothing was received
             self.federation.metrics.rejected_updates.labels(code="CANCELLED").inc()
             log.warning("update abandoned: %s", exc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -39,7 +40,11 @@ def receive_update(
     `layout` is the global model's in the wire dtype (`wire_dtype.expected_layout`): every floating-point tensor must
     arrive in the `wire` dtype exactly (a float32 update where float16 is configured is refused, and the reverse) and
     finite (a float16 overflow is inf)."""
-    buffer = receive_into(meta, chunks, max_bytes=max_bytes)
+    return decode_update(receive_into(meta, chunks, max_bytes=max_bytes), layout=layout, client_id=client_id, wire=wire)
+
+
+def decode_update(buffer: torch.Tensor, *, layout: codec.Layout, client_id: int, wire: str = "float32") -> ReceivedUpdate:
+    """`receive_update` for a buffer already received and verified (the data plane's, or the gRPC chunks')."""
     groups = codec.split_prefixed(decode_views(buffer))
     unknown = sorted(set(groups) - {"model", "extra"})
     if unknown:
@@ -64,3 +69,22 @@ def local_state(update: ReceivedUpdate, global_state: dict[str, torch.Tensor], k
     if update.deltas:
         return wire_dtype.absolute(update.state, global_state, keys)
     return update.state if keys is None else {key: update.state[key] for key in keys}
+
+
+def header_fields(h: Any) -> dict[str, Any]:
+    """An UpdateHeader as the plain dict Federation.accept_update reads (from the gRPC stream or the data plane)."""
+    return {
+        "client_id": h.client_id,
+        "session": h.session,
+        "round": h.round,
+        "task_id": h.task_id,
+        "total_bytes": h.payload.total_bytes,
+        "sha256": h.payload.sha256,
+        "num_chunks": h.payload.num_chunks,
+        "train_seconds": h.train_seconds,
+        "train_loss": h.train_loss,
+        "generation": (
+            {"images": h.generation.images, "wall_seconds": h.generation.wall_seconds, "cache_hit": h.generation.cache_hit}
+            if h.HasField("generation") else None
+        ),
+    }

@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-import ssl
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from fedsynth.tls import TLSFiles
+from fedsynth.tls import TLSFiles, ssl_client_context
 
 SCRAPE_TIMEOUT_S = 5.0
-
-
-def client_context(files: TLSFiles) -> ssl.SSLContext:
-    """What a scraper of an HTTPS /metrics holds: TLS >= 1.2, only the provisioned CA trusted (the server's name
-    checked against its certificate), and a node's pair as the client certificate (the operator's)."""
-    context = ssl.create_default_context(cafile=str(files.ca))
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(str(files.cert), str(files.key))
-    return context
 
 
 def scrape(url: str, *, tls: TLSFiles | None = None) -> dict[str, float]:
@@ -27,7 +17,7 @@ def scrape(url: str, *, tls: TLSFiles | None = None) -> dict[str, float]:
     tls.cert. Any failure to connect, verify or read is an OSError (ssl.SSLError and URLError are ones)."""
     if tls is not None and not url.startswith("https://"):
         raise ValueError(f"scrape with a TLS identity needs an https:// URL, got {url!r}")
-    context = None if tls is None else client_context(tls)
+    context = None if tls is None else ssl_client_context(tls)
     with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S, context=context) as response:  # noqa: S310 - ours
         text = response.read().decode()
     values: dict[str, float] = {}

@@ -15,6 +15,7 @@ from fedsynth.config_schema import (
     ACCOUNTANTS,
     ALGORITHM_PARAMS,
     ALGORITHMS,
+    DATA_PLANES,
     GENERATOR_BACKENDS,
     GENERATOR_SIZES,
     MAX_EXPONENT,
@@ -215,10 +216,16 @@ class RuntimeConfig(Section):
     overlap_evaluation: bool = True  # test round r's model while round r+1 trains (same results, less wall-clock)
     tls_dir: str | None = None  # `fedsynth deploy provision` folder: the launcher runs every role over mutual TLS
     wire_dtype: str = "float32"  # client updates' floats on the wire; float16 / bfloat16 send them as deltas, half the bytes
+    # "tcp": tasks' and updates' payloads of at least data_plane_min_bytes move over the coordinator's data plane (one
+    # TCP or TLS connection per transfer, raw bytes, BLAKE3-checked; docs/runtime.md), not as chunks on gRPC streams
+    data_plane: str = "grpc"
+    data_plane_min_bytes: int = 4 << 20
 
     def check(self) -> None:
         self.non_empty("host", "tls_dir")
         self.one_of("wire_dtype", WIRE_DTYPES)
+        self.one_of("data_plane", DATA_PLANES)
+        self.at_least(0, "data_plane_min_bytes")
         self.within("coordinator_port", 0, 65535)
         self.above(0, "round_timeout_s", "registration_timeout_s", "heartbeat_s")
         self.within("quorum", 0, 1, low_open=True)

@@ -25,6 +25,7 @@ MODELS = ("cnn", "resnet18")  # fedsynth.models.build_model
 GENERATOR_BACKENDS = ("ddpm", "holdout", "text2image")  # generator_service.backends; holdout: real held-out images
 GENERATOR_SIZES = ("tiny", "small", "half", "ddpm-cifar")  # generator_service.ddpm.model.SIZES
 WIRE_DTYPES = ("float32", "float16", "bfloat16")  # fedsynth.wire_dtype: the floats of client updates on the wire
+DATA_PLANES = ("grpc", "tcp")  # how model payloads travel: chunks on the gRPC streams, or fedsynth.data_plane beside them
 MAX_EXPONENT = 2.0  # generation.exponent / plan --exponent: past (N_k / C)^2 no generator could fill a budget
 
 

@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
 
 from fedsynth.errors import ConfigError
 from fedsynth.runtime import write_atomic
-from fedsynth.tls import LOOPBACK, AuthenticationError, RevocationList, TLSFiles, identity_of, is_loopback
+from fedsynth.tls import LOOPBACK, AuthenticationError, RevocationList, TLSFiles, identity_of, is_loopback, ssl_server_context
 
 log = logging.getLogger(__name__)
 
@@ -78,17 +78,6 @@ def choose_metrics_tls(port: int, host: str, insecure: bool, files: TLSFiles | N
     elif files is not None and not insecure:
         log.info("certificate %s is for TLS clients only: /metrics stays plain HTTP on %s", files.cert, host)
     return None
-
-
-def server_context(files: TLSFiles) -> ssl.SSLContext:
-    """TLS >= 1.2, the node's own pair, and a client certificate signed by the provisioned CA required."""
-    files.load()  # one-line errors naming a missing, unreadable or mismatched file
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.verify_mode = ssl.CERT_REQUIRED
-    context.load_verify_locations(cafile=str(files.ca))
-    context.load_cert_chain(str(files.cert), str(files.key))
-    return context
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -206,7 +195,7 @@ def serve_metrics(port: int, host: str = LOOPBACK, *, tls: TLSFiles | None = Non
     choose_metrics_tls, which refuses plain HTTP off loopback."""
     if port < 0:
         return None
-    server = MetricsHTTPServer(host, port, registry, None if tls is None else server_context(tls), revoked)
+    server = MetricsHTTPServer(host, port, registry, None if tls is None else ssl_server_context(tls), revoked)
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     scheme = "http" if tls is None else "https"
     log.info("metrics on %s://%s:%d/metrics%s", scheme, host, server.server_port,

@@ -10,6 +10,7 @@ import hashlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import blake3
 import torch
 
 from fedsynth.codec import CHUNK_BYTES, MAX_PAYLOAD_BYTES, PayloadMeta, num_chunks
@@ -43,15 +44,33 @@ def chunk_messages(buffer: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> Iter
 
 @dataclass(frozen=True)
 class PreparedPayload:
-    """A payload ready for any number of receivers: its description and its chunk messages, serialized once."""
+    """A payload ready for any number of receivers: its description and its chunk messages, serialized once; or, for
+    the data plane (fedsynth.data_plane), the buffer itself and its BLAKE3 digest, with no chunk messages."""
 
     meta: PayloadMeta
     messages: tuple[bytes, ...]
+    buffer: torch.Tensor | None = None
+    blake3: bytes = b""
+
+    @property
+    def ready(self) -> bool:
+        """False once let go (every receiver had it): a late receiver needs it prepared again."""
+        return bool(self.messages) or self.buffer is not None
+
+    @property
+    def by_data_plane(self) -> bool:
+        return self.buffer is not None
 
 
 def prepare(buffer: torch.Tensor) -> PreparedPayload:
     """Hash once and frame once; the buffer itself is not kept."""
     return PreparedPayload(describe_buffer(buffer), tuple(chunk_messages(buffer)))
+
+
+def prepare_for_data_plane(buffer: torch.Tensor) -> PreparedPayload:
+    """Kept as it is, BLAKE3-hashed once; no SHA-256 and no chunk messages (nobody receives it over gRPC)."""
+    size = buffer.numel()
+    return PreparedPayload(PayloadMeta(size, "", num_chunks(size)), (), buffer, blake3.blake3(byte_view(buffer)).digest())
 
 
 def receive_into(meta: PayloadMeta, chunks: Iterable[tuple[int, bytes]], *, max_bytes: int = MAX_PAYLOAD_BYTES) -> torch.Tensor:

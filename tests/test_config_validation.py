@@ -83,6 +83,8 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "runtime.overlap_evaluation": ("bool", []),
     "runtime.tls_dir": ("str?", [""]),
     "runtime.wire_dtype": ("str", ["float64", "fp16", "FLOAT16", "int8", ""]),
+    "runtime.data_plane": ("str", ["TCP", "udp", "http", ""]),
+    "runtime.data_plane_min_bytes": ("int", [-1]),
     "sdafl.samples_per_client": ("int", [0]),
     "sdafl.tau": ("float", [-0.1, 1]),
     "sdafl.lambda2": ("float", [-1]),

@@ -17,7 +17,7 @@ from google.protobuf.descriptor import Descriptor
 
 from coordinator.server import CLAIMED_CLIENT_ID
 from deploy.processes import Child, ProcessGroup, fedsynth_command, wait_for_file
-from fedsynth import cli, grpcutil, tls
+from fedsynth import cli, data_plane, grpcutil, tls
 from fedsynth.errors import ConfigError
 from fedsynth.generator_client import GeneratorInfo
 from fedsynth.v1 import coordinator_pb2 as pb
@@ -222,8 +222,10 @@ def test_every_rpc_that_names_a_client_is_checked_against_the_certificate() -> N
 # ---- a whole run over mutual TLS ------------------------------------------------------------------------------------
 
 
-def test_two_clients_in_one_process_train_over_mutual_tls(pki: Path, tmp_path: Path) -> None:
-    settings = {"seed": 1, "data.clients": 2, "train.rounds": 2, "train.local_epochs": 1}
+@pytest.mark.parametrize("plane", ["grpc", "tcp"])
+def test_two_clients_in_one_process_train_over_mutual_tls(pki: Path, tmp_path: Path, plane: str) -> None:
+    settings = {"seed": 1, "data.clients": 2, "train.rounds": 2, "train.local_epochs": 1, "runtime.data_plane": plane,
+                "runtime.data_plane_min_bytes": 0}
     group = ProcessGroup(tmp_path / "logs")
     try:
         coordinator, address = start_coordinator(group, tmp_path, settings, "--tls-dir", str(pki))
@@ -241,6 +243,38 @@ def test_two_clients_in_one_process_train_over_mutual_tls(pki: Path, tmp_path: P
     assert record["success"] and [sorted(r["participants"]) for r in record["rounds"]] == [[0, 1], [0, 1]]
     log = coordinator.log_path.read_text()
     assert "mutual TLS" in log and "PRIVATE KEY" not in log + clients.log_path.read_text()
+    assert ("data plane on port" in log and "(mutual TLS)" in log) == (plane == "tcp")
+    assert sum(r["bytes_received"] for r in record["rounds"]) > 0
+
+
+def test_the_data_plane_serves_a_ticket_to_its_own_clients_certificate_only(pki: Path, tmp_path: Path) -> None:
+    settings = {"data.clients": 1, "train.rounds": 1, "runtime.data_plane": "tcp", "runtime.data_plane_min_bytes": 0}
+    group = ProcessGroup(tmp_path / "logs")
+    try:
+        _, address = start_coordinator(group, tmp_path, settings, "--tls-dir", str(pki))
+        with grpcutil.make_channel(address, node_credentials(pki, "client-0")) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=RPC_TIMEOUT_S, wait_for_ready=True)
+            reply = stub.Register(pb.RegisterRequest(client_id=0, num_samples=10, run_id=spec.run_id), timeout=RPC_TIMEOUT_S)
+            stream = stub.Subscribe(pb.SubscribeRequest(client_id=0, session=reply.session), timeout=60)
+            task = next(m.task for m in stream if m.WhichOneof("kind") == "task")
+
+            def endpoint(node_id: str | None) -> data_plane.Endpoint:
+                context = None if node_id is None else tls.ssl_client_context(tls.TLSFiles.from_dir(pki, node_id))
+                return data_plane.Endpoint("127.0.0.1", reply.data_port, context)
+
+            with pytest.raises(data_plane.DataPlaneError) as borrowed:
+                data_plane.fetch(endpoint("client-1"), task.data_ticket, timeout_s=RPC_TIMEOUT_S)
+            assert borrowed.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "client-1 presented client 0's data-plane ticket" in borrowed.value.details()
+            with pytest.raises(data_plane.DataPlaneError) as plaintext:  # no TLS: the handshake fails, nothing is served
+                data_plane.fetch(endpoint(None), task.data_ticket, timeout_s=RPC_TIMEOUT_S)
+            assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE
+            payload = data_plane.fetch(endpoint("client-0"), task.data_ticket, timeout_s=RPC_TIMEOUT_S)
+            assert payload.numel() == task.payload.total_bytes
+            stream.cancel()
+    finally:
+        group.stop_all(grace_s=3.0)
 
 
 # ---- the generator service over mutual TLS (in-process server, untrained tiny model) -------------------------------

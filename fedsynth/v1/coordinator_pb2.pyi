@@ -39,16 +39,18 @@ class RegisterRequest(_message.Message):
     def __init__(self, client_id: _Optional[int] = ..., num_samples: _Optional[int] = ..., fedeas_images: _Optional[int] = ..., missing_classes: _Optional[_Iterable[int]] = ..., run_id: _Optional[str] = ..., synthetic_digest: _Optional[str] = ..., label_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("session", "completed_rounds", "synthetic_uploaded", "mean_data_wanted")
+    __slots__ = ("session", "completed_rounds", "synthetic_uploaded", "mean_data_wanted", "data_port")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     SYNTHETIC_UPLOADED_FIELD_NUMBER: _ClassVar[int]
     MEAN_DATA_WANTED_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     session: str
     completed_rounds: int
     synthetic_uploaded: bool
     mean_data_wanted: bool
-    def __init__(self, session: _Optional[str] = ..., completed_rounds: _Optional[int] = ..., synthetic_uploaded: _Optional[bool] = ..., mean_data_wanted: _Optional[bool] = ...) -> None: ...
+    data_port: int
+    def __init__(self, session: _Optional[str] = ..., completed_rounds: _Optional[int] = ..., synthetic_uploaded: _Optional[bool] = ..., mean_data_wanted: _Optional[bool] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("client_id", "session")
@@ -91,18 +93,20 @@ class Chunk(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("round", "task_id", "deadline_s", "generation_quota", "payload")
+    __slots__ = ("round", "task_id", "deadline_s", "generation_quota", "payload", "data_ticket")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     GENERATION_QUOTA_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    DATA_TICKET_FIELD_NUMBER: _ClassVar[int]
     round: int
     task_id: str
     deadline_s: float
     generation_quota: _containers.RepeatedScalarFieldContainer[int]
     payload: Payload
-    def __init__(self, round: _Optional[int] = ..., task_id: _Optional[str] = ..., deadline_s: _Optional[float] = ..., generation_quota: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
+    data_ticket: bytes
+    def __init__(self, round: _Optional[int] = ..., task_id: _Optional[str] = ..., deadline_s: _Optional[float] = ..., generation_quota: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., data_ticket: _Optional[bytes] = ...) -> None: ...
 
 class RunFinished(_message.Message):
     __slots__ = ("reason", "success", "exit_code")

@@ -1,0 +1,177 @@
+"""The coordinator's data plane (runtime.data_plane = "tcp"): serves task payloads and receives updates as raw bytes,
+one connection per transfer; the protocol and why are in fedsynth/data_plane.py.
+
+Every check of the gRPC path holds: an update goes through Federation.accept_update (the open round, the receive slot,
+the digest, keys, shapes, dtypes, finiteness) and a refusal carries the status code gRPC would give. Each connection
+has a deadline per read and a bounded worker pool; stop() ends the listener and waits, boundedly, for transfers.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from typing import Any
+
+import grpc
+import torch
+
+from coordinator.federation import Federation
+from coordinator.receive_slots import (
+    SLOTTED_UPLOAD_BYTES,
+    ReceiveSlots,
+    UploadCancelled,
+)
+from coordinator.updates import header_fields
+from fedsynth import data_plane as wire
+from fedsynth.errors import StateError, WireError
+from fedsynth.tls import AuthenticationError, RevocationList, identity_of_der
+from fedsynth.v1 import coordinator_pb2 as pb
+
+log = logging.getLogger(__name__)
+ACCEPT_POLL_S = 0.25  # how soon the listener notices stop()
+MAX_TRANSFERS = 32  # connections served at once; more wait in the backlog (uploads are also held to the receive slots)
+
+
+class DataPlaneServer:
+    def __init__(self, federation: Federation, receive_slots: ReceiveSlots, *, host: str, port: int = 0,
+                 tls: ssl.SSLContext | None = None, revoked: RevocationList | None = None) -> None:
+        self.federation = federation
+        self.receive_slots = receive_slots
+        self.tls = tls
+        self.revoked = revoked
+        # a stalled peer (no byte for this long) is dropped: the time after which a silent client counts as gone
+        self.stall_s = federation.cfg.runtime.heartbeat_timeout_s
+        self.listener = socket.create_server((host, port), family=socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0],
+                                             backlog=128)
+        self.listener.settimeout(ACCEPT_POLL_S)
+        self.port: int = self.listener.getsockname()[1]
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(MAX_TRANSFERS, thread_name_prefix="data-plane")
+        self._thread = threading.Thread(target=self._accept_loop, name="data-plane-accept", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        log.info("data plane on port %d (%s)", self.port, "mutual TLS" if self.tls is not None else "plaintext")
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout=ACCEPT_POLL_S * 4)
+        self.listener.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)  # running transfers end at their socket deadlines
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, peer = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                raise
+            self._pool.submit(self._serve, conn, peer)
+
+    # ---- one connection ------------------------------------------------------------------------------------------
+
+    def _serve(self, conn: socket.socket, peer: Any) -> None:
+        try:
+            conn.settimeout(self.stall_s)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls is not None:
+                conn = self.tls.wrap_socket(conn, server_side=True)
+            with conn:
+                self._answer(conn)
+        except (OSError, ssl.SSLError, WireError) as exc:  # the peer vanished, stalled or spoke garbage mid-transfer
+            log.warning("data plane: transfer with %s broke off: %s", peer, exc)
+        except Exception:  # a bug: log it, never take the listener down with it
+            log.exception("data plane: transfer with %s failed", peer)
+
+    def _answer(self, conn: socket.socket) -> None:
+        op = None
+        try:
+            caller = self._caller(conn)
+            op, ticket, header = wire.read_request(conn)
+            if op == wire.FETCH:
+                self._fetch(conn, ticket, caller)
+            else:
+                self._submit(conn, ticket, header, caller)
+        except (UploadCancelled, AuthenticationError, WireError, ValueError, StateError) as exc:
+            code = _status_of(exc)
+            log.warning("data plane: refused (%s): %s", code.name, exc)
+            if op == wire.SUBMIT:
+                self.federation.metrics.rejected_updates.labels(code=code.name).inc()
+            try:
+                wire.send_status(conn, code, str(exc))
+            except OSError:
+                pass  # the peer is gone already
+
+    def _caller(self, conn: socket.socket) -> int | None:
+        """With mutual TLS, the client id of the certificate (not revoked); None in plaintext, where the ticket alone
+        names the caller."""
+        if self.tls is None:
+            return None
+        identity = identity_of_der(conn.getpeercert(binary_form=True))  # type: ignore[attr-defined]
+        reason = self.revoked.reason(identity) if self.revoked is not None else None
+        if reason is not None:
+            raise AuthenticationError(reason)
+        if identity.client_id is None:
+            raise AuthenticationError(f"{identity.node_id} is not a client: the data plane serves clients only")
+        return identity.client_id
+
+    @staticmethod
+    def _check_caller(client_id: int, caller: int | None) -> None:
+        if caller is not None and caller != client_id:
+            raise AuthenticationError(f"client-{caller} presented client {client_id}'s data-plane ticket")
+
+    def _fetch(self, conn: socket.socket, ticket: bytes, caller: int | None) -> None:
+        client_id, _, delivery = self.federation.data_plane_client(ticket, task=True)
+        assert delivery is not None
+        self._check_caller(client_id, caller)
+        payload = delivery.payload
+        if payload.buffer is None:
+            raise StateError(f"round {delivery.round}'s payload does not travel on the data plane")
+        wire.send_status(conn, grpc.StatusCode.OK)
+        wire.send_payload(conn, payload.buffer, payload.blake3, with_size=True)
+        self.federation.mark_delivered(client_id, delivery.task_id, payload.meta.total_bytes)
+
+    def _submit(self, conn: socket.socket, ticket: bytes, raw_header: bytes, caller: int | None) -> None:
+        client_id, rnd, _ = self.federation.data_plane_client(ticket, task=False)
+        self._check_caller(client_id, caller)
+        try:
+            h = pb.UpdateHeader.FromString(raw_header)
+        except Exception as exc:  # protobuf's DecodeError: bytes that are no UpdateHeader
+            raise WireError(f"the request header is not an UpdateHeader ({type(exc).__name__})") from None
+        if h.client_id != client_id or h.task_id != rnd.task_id:
+            raise AuthenticationError(f"the update names client {h.client_id} and task {h.task_id[:8]!r}, but the ticket is "
+                                      f"client {client_id}'s for task {rnd.task_id[:8]!r}")
+        header = header_fields(h)
+        total = header["total_bytes"]
+
+        def receive(max_bytes: int) -> torch.Tensor:
+            if total > max_bytes:
+                raise WireError(f"announced payload of {total} bytes exceeds the limit of {max_bytes}")
+            wire.send_status(conn, grpc.StatusCode.OK)  # go: the header fits the round and a slot is held
+            return wire.receive_payload(conn, total, deadline=rnd.started + rnd.deadline_s)
+
+        def receiving() -> Any:
+            if total < SLOTTED_UPLOAD_BYTES:
+                return nullcontext(True)
+            return self.receive_slots.hold(lambda: not self._stop.is_set(), what=f"client {client_id}'s update for round {h.round}")
+
+        self.federation.accept_update(header, receive, receiving=receiving)
+        wire.send_status(conn, grpc.StatusCode.OK)
+
+
+def _status_of(exc: Exception) -> grpc.StatusCode:
+    """The code the gRPC servicer gives the same refusal."""
+    if isinstance(exc, UploadCancelled):
+        return grpc.StatusCode.CANCELLED
+    if isinstance(exc, AuthenticationError):
+        return grpc.StatusCode.PERMISSION_DENIED
+    if isinstance(exc, StateError):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    return grpc.StatusCode.INVALID_ARGUMENT  # WireError, and ValueError from the aggregator's layout checks

@@ -1,9 +1,10 @@
 """ResNet-18's weights from a server to N clients and back, per round: our runtime beside Flower's two runtimes.
 
-Three frameworks, same machine, same invocation, every end a separate OS process on localhost:
+Our runtime two ways and Flower's two, same machine, same invocation, every end a separate OS process on localhost:
 
 * ours: a real `fedsynth coordinator` (ResNet-18, a tiny CIFAR-shaped npz dataset, `train.max_steps=0`) and N real
-  `fedsynth client` processes, one client each.
+  `fedsynth client` processes, one client each; the models travel as chunks on the gRPC streams (the default).
+* ours-tcp: the same with `runtime.data_plane = "tcp"` (fedsynth/data_plane.py: raw bytes beside gRPC).
 * flower-legacy: `flwr.server.start_server` with FedAvg seeded with the same arrays (the numpy float32 state_dict of
   our `build_model("resnet18", ...)`) and N `flwr.client.start_client` processes whose NumPyClient.fit returns the
   received arrays unchanged; no Flower evaluation.
@@ -55,8 +56,9 @@ import numpy as np
 MB = 1e6
 HERE = Path(__file__).resolve()
 APP_MODULE = HERE.with_name("flower_deployment_app.py")
-FRAMEWORKS = ("ours", "flower-legacy", "flower-deployment")
-LABELS = {"ours": "ours", "flower-legacy": "Flower legacy", "flower-deployment": "Flower deployment"}
+FRAMEWORKS = ("ours", "ours-tcp", "flower-legacy", "flower-deployment")
+LABELS = {"ours": "ours", "ours-tcp": "ours (data plane)", "flower-legacy": "Flower legacy", "flower-deployment": "Flower deployment"}
+OURS = {"ours": "grpc", "ours-tcp": "tcp"}  # our frameworks: runtime.data_plane
 FLOWER_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -291,14 +293,14 @@ def run_flower_deployment(flower_python: str, folder: Path, arrays_file: Path, c
 
 # ---- our runtime --------------------------------------------------------------------------------------------------
 
-def run_ours(folder: Path, clients: int, rounds: int, model: str, deadline_s: float) -> dict[str, list[float]]:
+def run_ours(folder: Path, clients: int, rounds: int, model: str, deadline_s: float, plane: str) -> dict[str, list[float]]:
     from local_federation import run_local_federation  # ours only: this file also runs under Flower's venv
 
-    run_dir = folder / f"ours-{clients}"
+    run_dir = folder / f"ours-{plane}-{clients}"
     settings = {
         "data.dataset": "cifar10", "data.data_dir": str(folder), "data.clients": clients, "data.partition": "iid",
         "data.min_size": 0, "train.model": model, "train.rounds": rounds, "train.max_steps": 0,
-        "generation.policy": "none", "runtime.heartbeat_s": 5.0, "runtime.heartbeat_timeout_s": 15.0,
+        "generation.policy": "none", "runtime.heartbeat_s": 5.0, "runtime.heartbeat_timeout_s": 15.0, "runtime.data_plane": plane,
     }
     ends: list[float] = []
     record = run_local_federation(run_dir, settings, clients=clients, clients_per_process=1,
@@ -321,9 +323,11 @@ def summary(result: dict[str, Any], clients: int, size: int) -> dict[str, Any]:
 
 
 def table(frameworks: list[str], rows: list[dict[str, Any]]) -> list[str]:
-    flowers = [f for f in frameworks if f != "ours"] if "ours" in frameworks else []
+    ours = [f for f in frameworks if f in OURS]
+    flowers = [f for f in frameworks if f not in OURS]
+    pairs = [(o, f) for o in ours for f in flowers]
     header = ["clients"] + [f"{LABELS[f]} {unit}" for f in frameworks for unit in ("s/round", "MB/s")]
-    header += [f"ours ÷ {LABELS[f]} time" for f in flowers] + [f"{LABELS[f]} own round timer s" for f in frameworks]
+    header += [f"{LABELS[f]} ÷ {LABELS[o]} time" for o, f in pairs] + [f"{LABELS[f]} own round timer s" for f in frameworks]
     lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     for row in rows:
         got = row["frameworks"]
@@ -332,7 +336,8 @@ def table(frameworks: list[str], rows: list[dict[str, Any]]) -> list[str]:
             return format(got[f][key], fmt) if key in got.get(f, {}) else "failed"
 
         cells = [str(row["clients"])] + [c for f in frameworks for c in (cell(f, "s_per_round", ".3f"), cell(f, "mb_per_s", ",.0f"))]
-        cells += [f"{got['ours']['s_per_round'] / got[f]['s_per_round']:.2f}" if "s_per_round" in got["ours"] and "s_per_round" in got[f] else "failed" for f in flowers]
+        cells += [f"{got[f]['s_per_round'] / got[o]['s_per_round']:.1f}x" if "s_per_round" in got.get(o, {}) and "s_per_round" in got.get(f, {}) else "failed"
+                  for o, f in pairs]
         cells += [cell(f, "own_round_timer_s", ".3f") for f in frameworks]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -341,7 +346,7 @@ def table(frameworks: list[str], rows: list[dict[str, Any]]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--flower-python", help="an interpreter with flwr installed (its own virtualenv); needed for the Flower frameworks")
-    parser.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS), help="which to run (default: all three)")
+    parser.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS), help="which to run (default: all four)")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--rounds", type=int, default=5, help="rounds per run; periods are taken over rounds 2..R")
     parser.add_argument("--model", default="resnet18", choices=["resnet18", "cnn"], help="cnn: round overhead rather than transfer")
@@ -358,7 +363,7 @@ def main() -> None:
     if args.role == "flower-client":
         return flower_client(args)
     frameworks = [f for f in FRAMEWORKS if f in args.frameworks]
-    if not args.flower_python and frameworks != ["ours"]:
+    if not args.flower_python and not set(frameworks) <= set(OURS):
         parser.error("--flower-python is required for the Flower frameworks (flwr pins protobuf < 7; install it in its own virtualenv)")
     if args.rounds < 2:
         parser.error(f"--rounds must be >= 2 to measure a period between rounds, got {args.rounds}")
@@ -393,8 +398,8 @@ def main() -> None:
             for framework in frameworks:
                 t0 = time.monotonic()
                 try:
-                    if framework == "ours":
-                        result = run_ours(folder, n, args.rounds, args.model, args.deadline_s)
+                    if framework in OURS:
+                        result = run_ours(folder, n, args.rounds, args.model, args.deadline_s, OURS[framework])
                     elif framework == "flower-legacy":
                         result = run_flower_legacy(args.flower_python, folder, arrays_file, n, args.rounds, args.deadline_s)
                     else:

@@ -50,7 +50,7 @@ def run(folder: Path, args: argparse.Namespace, max_steps: int) -> tuple[dict, l
     settings = {
         "data.clients": args.clients, "train.rounds": args.rounds, "train.model": args.model, "train.max_steps": max_steps,
         "train.fraction": args.fraction, "data.partition": args.partition,
-        "generation.policy": "none", "runtime.heartbeat_s": 2.0,
+        "generation.policy": "none", "runtime.heartbeat_s": 2.0, "runtime.data_plane": args.data_plane,
     }
     if args.data == "cifar-shaped":
         # 20 test images, as benchmarks/transport.py: the test pass (beside the next round) costs ~0.04 s per image for
@@ -72,6 +72,8 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, default=1.0, help="train.fraction: share of clients sampled per round")
     parser.add_argument("--partition", default="dirichlet", choices=["dirichlet", "iid"], help="data.partition")
     parser.add_argument("--data", default="digits", choices=["digits", "cifar-shaped"])
+    parser.add_argument("--data-plane", default="grpc", choices=["grpc", "tcp"],
+                        help="runtime.data_plane (tcp moves payloads of 4 MiB and more, ResNet-18's, beside gRPC)")
     parser.add_argument("--json", type=Path, help="also write the per-round figures and medians to this JSON file")
     args = parser.parse_args()
     max_steps = fewest_steps()
@@ -81,7 +83,8 @@ def main() -> None:
     rounds = record["rounds"]
     load = os.getloadavg()[0]
     print(f"{args.clients} clients in {-(-args.clients // args.clients_per_process)} client processes, fraction {args.fraction}, "
-          f"{args.data}, {args.model}, partition {args.partition}, train.max_steps={max_steps}; {platform.node()}, "
+          f"{args.data}, {args.model}, partition {args.partition}, train.max_steps={max_steps}, data plane {args.data_plane}; "
+          f"{platform.node()}, "
           f"{os.cpu_count()} CPUs, load average {load:.1f}\n")
     print("| round | round time s | slowest training s | overhead s | dispatch s | communication s | aggregation s | "
           "evaluation s (beside the next round) | period − training s |")
@@ -100,7 +103,7 @@ def main() -> None:
     later = rounds[1:] or rounds  # round 1 carries the clients' first-round set-up
     summary = {
         "clients": args.clients, "clients_per_process": args.clients_per_process, "fraction": args.fraction,
-        "model": args.model, "data": args.data, "partition": args.partition, "load_average": load,
+        "model": args.model, "data": args.data, "partition": args.partition, "data_plane": args.data_plane, "load_average": load,
         "median_overhead_s": statistics.median(overheads), "max_overhead_s": max(overheads),
         "median_round_s": statistics.median(round_time(r) for r in later),
         "median_dispatch_s": statistics.median(r["phases_s"]["dispatch"] for r in later),

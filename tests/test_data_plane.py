@@ -278,12 +278,13 @@ def test_refused_transfers_leave_the_global_model_unchanged(open_round: OpenRoun
 
 @pytest.mark.slow
 def test_a_run_over_the_data_plane_ends_with_the_same_model_as_over_grpc(tmp_path: Path) -> None:
-    settings = {"seed": 3, "data.clients": 3, "train.rounds": 2, "train.local_epochs": 1}
+    # two clients: a float64 sum of two updates is the same in either arrival order (docs/runtime.md, Determinism)
+    settings = {"seed": 3, "data.clients": 2, "train.rounds": 2, "train.local_epochs": 1}
     models = {}
     for plane in ("grpc", "tcp"):
         with Runtime(tmp_path / plane) as rt:
             coord = rt.coordinator({**settings, **(TCP if plane == "tcp" else {})}, tmp_path / plane / "run")
-            clients = rt.clients(coord.address, "0-2")
+            clients = rt.clients(coord.address, "0-1")
             assert coord.wait(120) == 0, coord.log()[-2000:]
             assert clients.process.wait(30) == 0
         saved = checkpoint.load(tmp_path / plane / "run")

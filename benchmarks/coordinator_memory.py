@@ -46,7 +46,7 @@ def memory(pid: int) -> dict[str, int]:
 def settings_for(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     settings: dict[str, Any] = {
         "data.clients": args.clients, "train.rounds": args.rounds, "train.model": args.model, "train.max_steps": 0,
-        "generation.policy": "none", "runtime.heartbeat_s": 2.0,
+        "generation.policy": "none", "runtime.heartbeat_s": 2.0, "runtime.data_plane": args.data_plane,
     }
     if args.model == "resnet18":
         # 100 images per client, 20 test images (as benchmarks/transport.py): the coordinator's test pass, which runs
@@ -121,6 +121,7 @@ def main() -> None:
     parser.add_argument("--clients-per-process", type=int, default=5, help="logical clients per client-node process")
     parser.add_argument("--model", default="cnn", choices=["cnn", "resnet18"], help="resnet18 runs on CIFAR-shaped 32x32x3 data")
     parser.add_argument("--test-images", type=int, default=20, help="resnet18: CIFAR-shaped test images the coordinator evaluates")
+    parser.add_argument("--data-plane", default="grpc", choices=["grpc", "tcp"], help="runtime.data_plane")
     parser.add_argument("--json", type=Path, help="also write the figures and every sample to this JSON file")
     args = parser.parse_args()
     if args.rounds < 4:
@@ -133,7 +134,7 @@ def main() -> None:
     figures = summary(coordinator)
     data = f"CIFAR-shaped 32x32x3 ({args.test_images} test images)" if args.model == "resnet18" else "digits"
     print(f"coordinator memory after each round: {args.clients} clients in {-(-args.clients // args.clients_per_process)} "
-          f"client processes, {data}, {args.model}, train.max_steps=0, {args.rounds} rounds; {platform.node()}, "
+          f"client processes, {data}, {args.model}, train.max_steps=0, {args.rounds} rounds, data plane {args.data_plane}; {platform.node()}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n")
     print(f"start-up (serving, before round 1): RSS {figures['startup_rss_mib']:.1f} MiB, "
           f"RssAnon {coordinator['startup']['anon'] / MIB:.1f} MiB\n")
@@ -158,7 +159,7 @@ def main() -> None:
     if args.json is not None:
         args.json.write_text(json.dumps({
             "model": args.model, "test_images": args.test_images if args.model == "resnet18" else None, "clients": args.clients, "clients_per_process": args.clients_per_process,
-            "rounds": args.rounds, "host": platform.node(), "load_average": os.getloadavg()[0],
+            "rounds": args.rounds, "data_plane": args.data_plane, "host": platform.node(), "load_average": os.getloadavg()[0],
             "coordinator": figures, "nodes": nodes, "samples_bytes": record,
         }, indent=2) + "\n")
 

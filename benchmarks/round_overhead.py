@@ -51,6 +51,7 @@ def run(folder: Path, args: argparse.Namespace, max_steps: int) -> tuple[dict, l
         "data.clients": args.clients, "train.rounds": args.rounds, "train.model": args.model, "train.max_steps": max_steps,
         "train.fraction": args.fraction, "data.partition": args.partition,
         "generation.policy": "none", "runtime.heartbeat_s": 2.0, "runtime.data_plane": args.data_plane,
+        "runtime.data_plane_min_bytes": args.data_plane_min_bytes,
     }
     if args.data == "cifar-shaped":
         # 20 test images, as benchmarks/transport.py: the test pass (beside the next round) costs ~0.04 s per image for
@@ -74,6 +75,8 @@ def main() -> None:
     parser.add_argument("--data", default="digits", choices=["digits", "cifar-shaped"])
     parser.add_argument("--data-plane", default="grpc", choices=["grpc", "tcp"],
                         help="runtime.data_plane (tcp moves payloads of 4 MiB and more, ResNet-18's, beside gRPC)")
+    parser.add_argument("--data-plane-min-bytes", type=int, default=4 << 20,
+                        help="runtime.data_plane_min_bytes (default %(default)s; 0 sends the small CNN's 0.2 MB by the data plane too)")
     parser.add_argument("--json", type=Path, help="also write the per-round figures and medians to this JSON file")
     args = parser.parse_args()
     max_steps = fewest_steps()
@@ -83,7 +86,7 @@ def main() -> None:
     rounds = record["rounds"]
     load = os.getloadavg()[0]
     print(f"{args.clients} clients in {-(-args.clients // args.clients_per_process)} client processes, fraction {args.fraction}, "
-          f"{args.data}, {args.model}, partition {args.partition}, train.max_steps={max_steps}, data plane {args.data_plane}; "
+          f"{args.data}, {args.model}, partition {args.partition}, train.max_steps={max_steps}, data plane {args.data_plane} (from {args.data_plane_min_bytes} bytes); "
           f"{platform.node()}, "
           f"{os.cpu_count()} CPUs, load average {load:.1f}\n")
     print("| round | round time s | slowest training s | overhead s | dispatch s | communication s | aggregation s | "
@@ -103,7 +106,8 @@ def main() -> None:
     later = rounds[1:] or rounds  # round 1 carries the clients' first-round set-up
     summary = {
         "clients": args.clients, "clients_per_process": args.clients_per_process, "fraction": args.fraction,
-        "model": args.model, "data": args.data, "partition": args.partition, "data_plane": args.data_plane, "load_average": load,
+        "model": args.model, "data": args.data, "partition": args.partition, "data_plane": args.data_plane,
+        "data_plane_min_bytes": args.data_plane_min_bytes, "load_average": load,
         "median_overhead_s": statistics.median(overheads), "max_overhead_s": max(overheads),
         "median_round_s": statistics.median(round_time(r) for r in later),
         "median_dispatch_s": statistics.median(r["phases_s"]["dispatch"] for r in later),

@@ -3,7 +3,7 @@ one connection per transfer; the protocol and why are in fedsynth/data_plane.py.
 
 Every check of the gRPC path holds: an update goes through Federation.accept_update (the open round, the receive slot,
 the digest, keys, shapes, dtypes, finiteness) and a refusal carries the status code gRPC would give. Each connection
-has a deadline per read and a bounded worker pool; stop() ends the listener and waits, boundedly, for transfers.
+has a deadline per read (the run's heartbeat timeout) and the workers are a bounded pool.
 """
 
 from __future__ import annotations
@@ -20,11 +20,7 @@ import grpc
 import torch
 
 from coordinator.federation import Federation
-from coordinator.receive_slots import (
-    SLOTTED_UPLOAD_BYTES,
-    ReceiveSlots,
-    UploadCancelled,
-)
+from coordinator.receive_slots import SLOTTED_UPLOAD_BYTES, ReceiveSlots, UploadCancelled
 from coordinator.updates import header_fields
 from fedsynth import data_plane as wire
 from fedsynth.errors import StateError, WireError
@@ -57,11 +53,12 @@ class DataPlaneServer:
         self._thread.start()
         log.info("data plane on port %d (%s)", self.port, "mutual TLS" if self.tls is not None else "plaintext")
 
-    def stop(self, grace_s: float = 2.0) -> None:
+    def stop(self) -> None:
+        """No new transfers; one under way ends at its next read's deadline, or with the process."""
         self._stop.set()
         self._thread.join(timeout=ACCEPT_POLL_S * 4)
         self.listener.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)  # running transfers end at their socket deadlines
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
@@ -69,10 +66,12 @@ class DataPlaneServer:
                 conn, peer = self.listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
+            except OSError as exc:  # e.g. out of file descriptors: the next accept may work
                 if self._stop.is_set():
                     return
-                raise
+                log.warning("data plane: accept failed: %s", exc)
+                self._stop.wait(ACCEPT_POLL_S)
+                continue
             self._pool.submit(self._serve, conn, peer)
 
     # ---- one connection ------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import secrets
 import threading
@@ -91,6 +92,7 @@ class RoundDriver:
         # The global state as of the last closed round (its checkpoint's tensors, never written to): the next round
         # encodes, aggregates against and sends it without copying the model again.
         self._closed_state: dict[str, torch.Tensor] | None = None
+        self._encoded_history: list[str] = []  # each concluded round's summary as JSON, for the checkpoint's record
 
     def run(self) -> None:
         """Play every remaining round; raises QuorumError when the run cannot go on."""
@@ -295,7 +297,11 @@ class RoundDriver:
         # Only this thread appends to the history, so it may read it unlocked; the round enters the history (and
         # watchers hear of it) only once its checkpoint is on disk, both under the lock so no watcher sees it twice.
         history = [*self.state.history, summary]
-        checkpoint.save(self.out_dir, dataclasses.replace(closed.saved, record={**closed.saved.record, "history": history}))
+        if len(self._encoded_history) != len(self.state.history):  # a resumed run: its history so far, encoded once
+            self._encoded_history = [json.dumps(entry) for entry in self.state.history]
+        self._encoded_history.append(json.dumps(summary))
+        checkpoint.save(self.out_dir, dataclasses.replace(closed.saved, record={**closed.saved.record, "history": history},
+                                                          encoded_history=tuple(self._encoded_history)))
         with self.lock:
             self.state.history.append(summary)
             self.progress.publish(summary)

@@ -76,14 +76,14 @@ class DataPlaneServer:
 
     # ---- one connection ------------------------------------------------------------------------------------------
 
-    def _serve(self, conn: socket.socket, peer: Any) -> None:
+    def _serve(self, raw: socket.socket, peer: Any) -> None:
         try:
-            conn.settimeout(self.stall_s)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.tls is not None:
-                conn = self.tls.wrap_socket(conn, server_side=True)
-            with conn:
-                self._answer(conn)
+            with raw:  # closed however the transfer ends, a failed handshake included
+                raw.settimeout(self.stall_s)
+                raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn = raw if self.tls is None else self.tls.wrap_socket(raw, server_side=True)
+                with conn:
+                    self._answer(conn)
         except (OSError, ssl.SSLError, WireError) as exc:  # the peer vanished, stalled or spoke garbage mid-transfer
             log.warning("data plane: transfer with %s broke off: %s", peer, exc)
         except Exception:  # a bug: log it, never take the listener down with it

@@ -103,7 +103,7 @@ def grpc_round_trips(address: str, rounds: int) -> list[dict[str, float]]:
             state = codec.split_prefixed(decode_views(buffer))["model"]
             decoded = time.perf_counter()
             payload = encode_to_buffer(codec.join_prefixed(model=state))
-            reply_meta = codec.PayloadMeta(payload.numel(), "", codec.num_chunks(payload.numel())) if task.data_ticket else describe_buffer(payload)
+            reply_meta = codec.PayloadMeta(payload.numel(), "", 0) if task.data_ticket else describe_buffer(payload)
             encoded = time.perf_counter()
             header = pb.UpdateHeader(
                 client_id=0, session=session, round=task.round, task_id=task.task_id,

@@ -21,7 +21,6 @@ from client_node.sdafl_client import ensure_samples, upload
 from client_node.synthesis import SyntheticSet, fedeas_total, synthesize
 from fedsynth import codec, data_plane, grpcutil, wire_dtype
 from fedsynth.assembly import algorithm_for, client_seed, client_shard, local_train_config, model_for, round_generator
-from fedsynth.codec import num_chunks
 from fedsynth.config import RunConfig, from_json
 from fedsynth.errors import FedsynthError, StopRequested, WireError
 from fedsynth.raw_messages import submit_update_call
@@ -259,8 +258,8 @@ class LogicalClient:
         model_group, extra_group = wire_dtype.outgoing(update.state, update.extra, global_state, cfg.runtime.wire_dtype)
         payload = encode_to_buffer(codec.join_prefixed(model=model_group, extra=extra_group))
         del model_group, extra_group  # the cast copies (float16 / bfloat16): the payload holds their bytes now
-        # on the data plane the bytes are BLAKE3-hashed as they are sent: no SHA-256, no chunk messages
-        meta = codec.PayloadMeta(payload.numel(), "", num_chunks(payload.numel())) if task.data_ticket else describe_buffer(payload)
+        # on the data plane the bytes are BLAKE3-hashed as they are sent: no SHA-256, no chunks
+        meta = codec.PayloadMeta(payload.numel(), "", 0) if task.data_ticket else describe_buffer(payload)
         header = pb.UpdateHeader(
             client_id=self.client_id,
             session=session,

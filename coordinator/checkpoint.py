@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from fedsynth.codec import join_prefixed, split_prefixed
-from fedsynth.runtime import write_atomic
+from fedsynth.runtime import dumps_with_encoded_list, write_atomic
 from fedsynth.tensor_buffer import write_safetensors
 
 FILE_NAME = "checkpoint.safetensors"
@@ -26,7 +26,7 @@ class Checkpoint:
     synthetic: dict[str, torch.Tensor] = field(default_factory=dict)  # SDA-FL's shared set and its labels
     # record["history"]'s entries, each already JSON-encoded (the round loop encodes each round once), spliced in:
     # the history is not encoded again every round, with the GIL held beside the next round's transfers (K = 100:
-    # 4.0 -> 0.1 ms a checkpoint by round 200, 20.7 -> 1.3 ms by round 1,000; benchmarks/checkpoint_record.py).
+    # 4.0 -> 0.1 ms a checkpoint by round 200, 20.7 -> 1.3 ms by round 1,000; benchmarks/history_json.py).
     encoded_history: tuple[str, ...] | None = None
 
 
@@ -34,8 +34,7 @@ def record_json(ckpt: Checkpoint) -> str:
     """`json.dumps(ckpt.record)`, the same object once parsed, with the history's entries taken as encoded."""
     if ckpt.encoded_history is None:
         return json.dumps(ckpt.record)
-    head = json.dumps({key: value for key, value in ckpt.record.items() if key != "history"})
-    return head[:-1] + (", " if len(head) > 2 else "") + '"history": [' + ", ".join(ckpt.encoded_history) + "]}"
+    return dumps_with_encoded_list(ckpt.record, "history", ckpt.encoded_history)
 
 
 def save(folder: Path, ckpt: Checkpoint) -> Path:

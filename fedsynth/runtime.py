@@ -8,7 +8,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,3 +60,10 @@ def write_atomic(path: Path, content: str | bytes | Callable[[Path], object]) ->
 
 def write_json(path: Path, content: Any) -> None:
     write_atomic(path, json.dumps(content, indent=2, sort_keys=True) + "\n")
+
+
+def dumps_with_encoded_list(content: dict[str, Any], key: str, encoded: Sequence[str]) -> str:
+    """`json.dumps(content)` (the same object once parsed) where `content[key]` is the list whose items `encoded`
+    holds already JSON-encoded: a growing log is encoded item by item once, not whole every time it is written."""
+    head = json.dumps({name: value for name, value in content.items() if name != key})
+    return head[:-1] + (", " if len(head) > 2 else "") + json.dumps(key) + ": [" + ", ".join(encoded) + "]}"

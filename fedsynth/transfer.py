@@ -68,9 +68,9 @@ def prepare(buffer: torch.Tensor) -> PreparedPayload:
 
 
 def prepare_for_data_plane(buffer: torch.Tensor) -> PreparedPayload:
-    """Kept as it is, BLAKE3-hashed once; no SHA-256 and no chunk messages (nobody receives it over gRPC)."""
-    size = buffer.numel()
-    return PreparedPayload(PayloadMeta(size, "", num_chunks(size)), (), buffer, blake3.blake3(byte_view(buffer)).digest())
+    """Kept as it is, BLAKE3-hashed once; no SHA-256 and no chunks (nobody receives it over gRPC): the task announces
+    its size, with 0 chunks to follow."""
+    return PreparedPayload(PayloadMeta(buffer.numel(), "", 0), (), buffer, blake3.blake3(byte_view(buffer)).digest())
 
 
 def receive_into(meta: PayloadMeta, chunks: Iterable[tuple[int, bytes]], *, max_bytes: int = MAX_PAYLOAD_BYTES) -> torch.Tensor:

@@ -125,7 +125,7 @@ class OpenRound:
 
 def next_task(stream: Iterator[pb.ServerMessage], endpoint: data_plane.Endpoint) -> tuple[pb.Task, StateDict]:
     task = next(m.task for m in stream if m.WhichOneof("kind") == "task")
-    assert task.data_ticket and task.payload.num_chunks and not task.payload.sha256  # nothing follows on the stream
+    assert task.data_ticket and task.payload.total_bytes and not task.payload.num_chunks and not task.payload.sha256
     model = codec.split_prefixed(decode_views(data_plane.fetch(endpoint, task.data_ticket, timeout_s=RPC_TIMEOUT_S)))["model"]
     return task, {key: value.clone() for key, value in model.items()}
 

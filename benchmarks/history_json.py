@@ -2,10 +2,11 @@
 
 The round loop writes a checkpoint after every round whose record holds the summary of every round so far (at K = 100
 with full participation each summary lists 100 participants and 100 sampled ids). Encoding all of it again each round
-costs O(rounds) a round with the GIL held, beside the next round's transfers; coordinator.checkpoint.record_json
-splices in entries encoded once. Summaries shaped like the round driver's, seconds per checkpoint (median of 5):
+costs O(rounds) a round with the GIL held, beside the next round's transfers; the coordinator's checkpoint splices in
+entries encoded once (fedsynth.runtime.dumps_with_encoded_list). Summaries shaped like the round driver's, seconds per
+checkpoint record (median of 5):
 
-    python benchmarks/checkpoint_record.py --clients 100 --rounds 10 50 200
+    python benchmarks/history_json.py --clients 100 --rounds 40 200 1000
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import random
 import statistics
 import time
 
-from coordinator import checkpoint
+from fedsynth.runtime import dumps_with_encoded_list
 
 
 def summary(number: int, clients: int, rng: random.Random) -> dict[str, object]:
@@ -50,11 +51,10 @@ def main() -> None:
         history = [summary(r, args.clients, rng) for r in range(1, rounds + 1)]
         record = {"fingerprint": "0" * 16, "rng": {"state": {"state": 1, "inc": 2}}, "initial": {}, "quota": None, "history": history}
         encoded = [json.dumps(entry) for entry in history]
-        ckpt = checkpoint.Checkpoint(rounds, {}, {}, record, encoded_history=tuple(encoded))
-        assert json.loads(checkpoint.record_json(ckpt)) == json.loads(json.dumps(record))
+        assert json.loads(dumps_with_encoded_list(record, "history", encoded)) == json.loads(json.dumps(record))
         whole = seconds(lambda: json.dumps(record))
         # what a round costs now: its own summary encoded, and the spliced record
-        once = seconds(lambda: (json.dumps(history[-1]), checkpoint.record_json(ckpt)))
+        once = seconds(lambda: (json.dumps(history[-1]), dumps_with_encoded_list(record, "history", encoded)))
         print(f"| {rounds} | {whole:.4f} | {once:.4f} | {whole / once:.1f}x |")
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fedsynth.algorithms.base import Aggregator
+from fedsynth.data_plane import TICKET_BYTES
 from fedsynth.transfer import PreparedPayload
 
 
@@ -60,7 +61,7 @@ class RoundInProgress:
         secret that only its dispatch stream carries."""
         ticket = self._ticket_of.get(client_id)
         if ticket is None:
-            ticket = self._ticket_of[client_id] = secrets.token_bytes(16)
+            ticket = self._ticket_of[client_id] = secrets.token_bytes(TICKET_BYTES)
             self.tickets[ticket] = client_id
         return ticket
 

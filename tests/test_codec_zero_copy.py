@@ -14,7 +14,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import load_file
 
 from fedsynth import codec
-from fedsynth.algorithms.base import Aggregator
+from fedsynth.algorithms.base import Aggregator, fold
 from fedsynth.errors import WireError
 from fedsynth.raw_messages import chunk_message, passthrough
 from fedsynth.tensor_buffer import HUGE_PAGE_BYTES, decode_views, encode_to_buffer, fresh_buffer, write_safetensors
@@ -313,6 +313,19 @@ def test_check_like_names_the_first_defect_in_layout_order() -> None:
     with pytest.raises(WireError, match="tensor 'b' has dtype"):
         codec.check_like(decode_views(encode_to_buffer({**template, "b": template["b"].double()})), layout, what="update")
     codec.check_like(decode_views(encode_to_buffer(template)), layout, what="update")
+
+
+def test_folding_through_a_small_scratch_gives_the_bits_of_folding_tensor_by_tensor() -> None:
+    """`fold` upcasts through a scratch smaller than the tensors (split across groups, empty and integer ones among
+    them): the sums are bit for bit those of an upcast-then-add per tensor."""
+    g = torch.Generator().manual_seed(5)
+    values = {"big": torch.randn(4, 9, generator=g), "empty": torch.empty(0), "half": torch.randn(6, generator=g).half(),
+              "count": torch.tensor(7), "small": torch.randn(3, generator=g)}
+    sums = {key: torch.randn(value.shape, generator=g, dtype=torch.float64) for key, value in values.items()}
+    expected = {key: total.clone().add_(values[key].to(torch.float64), alpha=0.37) for key, total in sums.items()}
+    fold(sums, values, 0.37, torch.empty(5, dtype=torch.float64))
+    for key, total in expected.items():
+        assert torch.equal(sums[key], total), key
 
 
 def test_folding_in_one_call_gives_the_bits_of_folding_tensor_by_tensor() -> None:

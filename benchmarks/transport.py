@@ -34,7 +34,7 @@ import torch
 from deploy.processes import ProcessGroup, fedsynth_command, wait_for_file
 from fedsynth import codec, data_plane, grpcutil
 from fedsynth.raw_messages import submit_update_call
-from fedsynth.tensor_buffer import decode_views, encode_to_buffer
+from fedsynth.tensor_buffer import decode_views, encode_parts, encode_to_buffer
 from fedsynth.transfer import chunk_messages, describe_buffer, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
@@ -102,15 +102,19 @@ def grpc_round_trips(address: str, rounds: int) -> list[dict[str, float]]:
             received = verified = time.perf_counter()
             state = codec.split_prefixed(decode_views(buffer))["model"]
             decoded = time.perf_counter()
-            payload = encode_to_buffer(codec.join_prefixed(model=state))
-            reply_meta = codec.PayloadMeta(payload.numel(), "", 0) if task.data_ticket else describe_buffer(payload)
+            if task.data_ticket:  # sent from the tensors' own memory (here the views of the received buffer)
+                parts = encode_parts(codec.join_prefixed(model=state))
+                reply_meta = codec.PayloadMeta(sum(part.nbytes for part in parts), "", 0)
+            else:
+                payload = encode_to_buffer(codec.join_prefixed(model=state))
+                reply_meta = describe_buffer(payload)
             encoded = time.perf_counter()
             header = pb.UpdateHeader(
                 client_id=0, session=session, round=task.round, task_id=task.task_id,
                 payload=pb.Payload(total_bytes=reply_meta.total_bytes, sha256=reply_meta.sha256, num_chunks=reply_meta.num_chunks),
             )
             if task.data_ticket:  # hashed as it is sent
-                data_plane.submit(endpoint, task.data_ticket, header.SerializeToString(), payload, timeout_s=600)
+                data_plane.submit(endpoint, task.data_ticket, header.SerializeToString(), parts, timeout_s=600)
             else:
                 submit(_reply(header, payload), timeout=600)
             sent = time.perf_counter()
@@ -233,7 +237,7 @@ def main() -> None:
     print(f"| push: task header to last byte, written in place and hashed as it arrives (gRPC: SHA-256 of 1 MiB chunks on the Subscribe stream; tcp: BLAKE3 on one connection) | {column('push_transfer')} |")
     decode = " | ".join(f"{m['push_verify'] + m['push_decode']:.3f}" for m in steps.values())
     print(f"| push: safetensors header + tensor views (client) | {decode} |")
-    print(f"| reply: safetensors encode into one buffer (+ SHA-256 for gRPC; tcp hashes while sending) | {column('reply_encode')} |")
+    print(f"| reply: safetensors encode (gRPC: into one buffer + SHA-256; tcp: the header only, the tensors are sent from their own memory and hashed while sending) | {column('reply_encode')} |")
     print(f"| reply: upload until the coordinator answers (verified, checked and folded) | {column('reply_submit')} |")
     print("| **round trip, real path (everything above)** | " + " | ".join(f"**{t:.3f}**" for t in totals.values()) + " |")
     print("| ratio: raw TCP ÷ round trip | " + " | ".join(f"{raw / t:.2f}" for t in totals.values()) + " |")

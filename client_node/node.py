@@ -25,7 +25,7 @@ from fedsynth.config import RunConfig, from_json
 from fedsynth.errors import FedsynthError, StopRequested, WireError
 from fedsynth.raw_messages import submit_update_call
 from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_OK
-from fedsynth.tensor_buffer import decode_views, encode_to_buffer
+from fedsynth.tensor_buffer import decode_views, encode_parts, encode_to_buffer
 from fedsynth.training import TrainData, images_to_tensor
 from fedsynth.transfer import chunk_messages, describe_buffer, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
@@ -256,10 +256,15 @@ class LogicalClient:
         self.metrics.samples_per_second.set(update.num_steps * cfg.train.batch_size / max(train_seconds, 1e-9))
 
         model_group, extra_group = wire_dtype.outgoing(update.state, update.extra, global_state, cfg.runtime.wire_dtype)
-        payload = encode_to_buffer(codec.join_prefixed(model=model_group, extra=extra_group))
-        del model_group, extra_group  # the cast copies (float16 / bfloat16): the payload holds their bytes now
-        # on the data plane the bytes are BLAKE3-hashed as they are sent: no SHA-256, no chunks
-        meta = codec.PayloadMeta(payload.numel(), "", 0) if task.data_ticket else describe_buffer(payload)
+        outgoing = codec.join_prefixed(model=model_group, extra=extra_group)
+        del model_group, extra_group
+        if task.data_ticket:  # sent from the tensors' own memory, BLAKE3-hashed as it goes: no encoded copy, no SHA-256
+            parts = encode_parts(outgoing)
+            meta = codec.PayloadMeta(sum(part.nbytes for part in parts), "", 0)
+        else:
+            payload = encode_to_buffer(outgoing)
+            meta = describe_buffer(payload)
+        del outgoing  # the parts (or the payload) hold what they need
         header = pb.UpdateHeader(
             client_id=self.client_id,
             session=session,
@@ -280,7 +285,7 @@ class LogicalClient:
         def submit() -> object:
             timeout_s = max(RPC_TIMEOUT_S, task.deadline_s)
             if task.data_ticket:
-                return data_plane.submit(self._endpoint(), task.data_ticket, header.SerializeToString(), payload, timeout_s=timeout_s)
+                return data_plane.submit(self._endpoint(), task.data_ticket, header.SerializeToString(), parts, timeout_s=timeout_s)
             return self._submit_update(messages(), timeout=timeout_s)
 
         log.info("client %d: uploading round %d (%d bytes)", self.client_id, task.round, meta.total_bytes)

@@ -23,7 +23,7 @@ import socket
 import ssl
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import blake3
@@ -44,8 +44,12 @@ MAX_MESSAGE_BYTES = 1 << 12
 _REQUEST = struct.Struct(f"<4sB{TICKET_BYTES}sI")
 _STATUS = struct.Struct("<BI")
 _TOTAL = struct.Struct("<Q")
-PIECE_BYTES = CHUNK_BYTES  # hashed per piece as it arrives
+PIECE_BYTES = CHUNK_BYTES  # sent and hashed per piece
+SMALL_PART_BYTES = 64 << 10  # parts smaller than this are joined into one piece: no send per bias vector
 STALL_S = 60.0  # no byte for this long (or no answer: a receive slot, a fold) and a transfer counts as broken
+
+
+Payload = torch.Tensor | Sequence[memoryview]  # one 1-D uint8 buffer, or its bytes as parts in order (flat, format "B")
 
 
 class DataPlaneError(grpc.RpcError, grpc.Call):  # type: ignore[misc]
@@ -138,19 +142,38 @@ def read_request(sock: socket.socket) -> tuple[int, bytes, bytes]:
     return op, ticket, read_exact(sock, header_len, "the request header")
 
 
-def send_payload(sock: socket.socket, buffer: torch.Tensor, digest: bytes | None = None, *, with_size: bool = False) -> None:
-    """The bytes of a 1-D uint8 tensor (after their size, `with_size`), then their BLAKE3 digest (hashed piece by piece
-    as sent, unless given)."""
-    view = byte_view(buffer)
+def send_payload(sock: socket.socket, payload: Payload, digest: bytes | None = None, *, with_size: bool = False) -> None:
+    """The payload's bytes (after their size, `with_size`), then their BLAKE3 digest (hashed piece by piece as sent,
+    unless given)."""
+    parts = [byte_view(payload)] if isinstance(payload, torch.Tensor) else payload
     if with_size:
-        sock.sendall(_TOTAL.pack(len(view)))
+        sock.sendall(_TOTAL.pack(sum(part.nbytes for part in parts)))
     hasher = None if digest is not None else blake3.blake3()
-    for start in range(0, len(view), PIECE_BYTES):
-        piece = view[start : start + PIECE_BYTES]
+    for piece in _pieces(parts):
         sock.sendall(piece)
         if hasher is not None:
             hasher.update(piece)
     sock.sendall(digest if digest is not None else hasher.digest())  # type: ignore[union-attr]
+
+
+def _pieces(parts: Sequence[memoryview]) -> Iterator[memoryview]:
+    """The parts' bytes in order, in pieces of at most PIECE_BYTES: large parts sliced, runs of small ones (a model's
+    biases and norms) joined into one piece, the only bytes copied."""
+    small = bytearray()
+    for part in parts:
+        if part.nbytes < SMALL_PART_BYTES and len(small) + part.nbytes <= PIECE_BYTES:
+            small += part
+            continue
+        if small:
+            yield memoryview(small)
+            small = bytearray()
+        if part.nbytes < SMALL_PART_BYTES:
+            small += part
+            continue
+        for start in range(0, part.nbytes, PIECE_BYTES):
+            yield part[start : start + PIECE_BYTES]
+    if small:
+        yield memoryview(small)
 
 
 def receive_payload(sock: socket.socket, total: int, *, deadline: float) -> torch.Tensor:
@@ -214,9 +237,10 @@ def fetch(endpoint: Endpoint, ticket: bytes, *, timeout_s: float, max_bytes: int
             raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, f"data plane {endpoint}: {exc}") from exc
 
 
-def submit(endpoint: Endpoint, ticket: bytes, header: bytes, payload: torch.Tensor, *, timeout_s: float) -> None:
+def submit(endpoint: Endpoint, ticket: bytes, header: bytes, payload: Payload, *, timeout_s: float) -> None:
     """Send an update (its serialized UpdateHeader, whose payload.total_bytes is `payload`'s size) and wait until the
-    coordinator has verified, checked and folded it; DataPlaneError with its status otherwise."""
+    coordinator has verified, checked and folded it; DataPlaneError with its status otherwise. `payload`: one buffer,
+    or `tensor_buffer.encode_parts` of the update's tensors, sent from their own memory (no encoded copy)."""
     with _connect(endpoint, timeout_s) as sock:
         try:
             _request(sock, SUBMIT, ticket, header)

@@ -86,6 +86,13 @@ def encode_to_buffer(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     return buffer
 
 
+def encode_parts(tensors: dict[str, torch.Tensor]) -> list[memoryview]:
+    """The bytes `encode_to_buffer` would write, in order, without copying them: safetensors' head, then each tensor's
+    own memory (a sender sends and hashes them piece by piece; the tensors must not change until it is done)."""
+    head, placed = _layout(tensors)
+    return [memoryview(head)] + [_bytes_of(value) for value, _ in placed]
+
+
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """A safetensors file (what `safetensors.torch.load_file` reads) written tensor by tensor from the tensors' own
     memory: safetensors' `save_file` first turns every tensor into a bytes copy, a second model held for the write."""

@@ -19,7 +19,7 @@ import torch
 from coordinator import checkpoint
 from fedsynth import codec, data_plane, grpcutil
 from fedsynth.errors import WireError
-from fedsynth.tensor_buffer import decode_views, encode_to_buffer
+from fedsynth.tensor_buffer import decode_views, encode_parts, encode_to_buffer
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 from runtime_harness import Runtime, channel, wait_until
@@ -58,6 +58,19 @@ def test_a_payload_arrives_whole_and_verified() -> None:
     data = bytes(range(256)) * 9000  # 2.3 MB: several pieces
     received = transfer(lambda s: data_plane.send_payload(s, as_buffer(data)), len(data))
     assert bytes(received.numpy()) == data
+
+
+def test_an_update_sent_from_its_tensors_own_memory_arrives_as_its_encoded_buffer() -> None:
+    """encode_parts + send_payload (the client's upload: no encoded copy) deliver exactly encode_to_buffer's bytes, with
+    their digest: small tensors joined into pieces, large ones sliced, an empty one and a bfloat16 one among them."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {"conv": torch.randn(700_000, generator=g), "bias": torch.randn(10, generator=g), "empty": torch.empty(0, 3),
+               "half": torch.randn(40_000, generator=g).bfloat16(), "count": torch.tensor(5), "mid": torch.randn(20_000, generator=g)}
+    expected = encode_to_buffer(tensors)
+    parts = encode_parts(tensors)
+    assert sum(part.nbytes for part in parts) == expected.numel()
+    received = transfer(lambda s: data_plane.send_payload(s, parts), expected.numel())
+    assert torch.equal(received, expected)
 
 
 def test_one_changed_byte_is_refused_by_its_checksum() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -112,7 +113,7 @@ class Aggregator:
 
     def __init__(self, global_state: StateDict, server_state: StateDict | None = None) -> None:
         self._template = {key: (value.dtype, tuple(value.shape)) for key, value in global_state.items()}
-        self._sums = {key: torch.zeros(shape, dtype=torch.float64) for key, (_, shape) in self._template.items()}
+        self._sums = float64_zeros({key: shape for key, (_, shape) in self._template.items()})
         self._scratch: torch.Tensor | None = None  # where `fold` upcasts an update, a group of tensors at a time
         self._global = global_state  # a reference (the round holds it anyway), read only for delta updates
         self._server_state = dict(server_state or {})
@@ -179,6 +180,15 @@ class Aggregator:
 
     def finish_server_state(self) -> StateDict:
         return self._server_state
+
+
+def float64_zeros(shapes: dict[str, tuple[int, ...]]) -> StateDict:
+    """float64 zeros of these shapes, views of one `fresh_buffer`: a model's worth of them in 2 MiB pages, whose faults
+    cost a fraction of 4 KiB pages' (zeroing ResNet-18's sum at a round's start: ~25 ms in torch.zeros, tensor by tensor)."""
+    sizes = [math.prod(shape) for shape in shapes.values()]
+    flat = fresh_buffer(8 * sum(sizes)).view(torch.float64).zero_()
+    starts = itertools.accumulate(sizes, initial=0)
+    return {key: flat[start : start + size].view(shape) for (key, shape), start, size in zip(shapes.items(), starts, sizes)}
 
 
 def fold(sums: StateDict, values: StateDict, weight: float, scratch: torch.Tensor) -> None:

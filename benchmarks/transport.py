@@ -94,7 +94,7 @@ def grpc_round_trips(address: str, rounds: int) -> list[dict[str, float]]:
         for _ in range(rounds):
             task = next(m.task for m in stream if m.WhichOneof("kind") == "task")
             started = time.perf_counter()
-            if task.data_ticket:  # hashed (BLAKE3) as it arrives
+            if task.data_ticket:  # checksummed (XXH3-128) as it arrives
                 buffer = data_plane.fetch(endpoint, task.data_ticket, timeout_s=600)
             else:  # the SHA-256 is computed while the chunks arrive
                 meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
@@ -234,7 +234,7 @@ def main() -> None:
           f"{args.rounds}; {args.test_images} test images; {platform.node()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n")
     print("| step | " + " | ".join(f"runtime.data_plane = {p} (s)" for p in steps) + " |")
     print("|---|" + "---:|" * len(steps))
-    print(f"| push: task header to last byte, written in place and hashed as it arrives (gRPC: SHA-256 of 1 MiB chunks on the Subscribe stream; tcp: BLAKE3 on one connection) | {column('push_transfer')} |")
+    print(f"| push: task header to last byte, written in place and hashed as it arrives (gRPC: SHA-256 of 1 MiB chunks on the Subscribe stream; tcp: XXH3-128 on one connection) | {column('push_transfer')} |")
     decode = " | ".join(f"{m['push_verify'] + m['push_decode']:.3f}" for m in steps.values())
     print(f"| push: safetensors header + tensor views (client) | {decode} |")
     print(f"| reply: safetensors encode (gRPC: into one buffer + SHA-256; tcp: the header only, the tensors are sent from their own memory and hashed while sending) | {column('reply_encode')} |")

@@ -258,7 +258,7 @@ class LogicalClient:
         model_group, extra_group = wire_dtype.outgoing(update.state, update.extra, global_state, cfg.runtime.wire_dtype)
         outgoing = codec.join_prefixed(model=model_group, extra=extra_group)
         del model_group, extra_group
-        if task.data_ticket:  # sent from the tensors' own memory, BLAKE3-hashed as it goes: no encoded copy, no SHA-256
+        if task.data_ticket:  # sent from the tensors' own memory, checksummed as it goes: no encoded copy, no SHA-256
             parts = encode_parts(outgoing)
             meta = codec.PayloadMeta(sum(part.nbytes for part in parts), "", 0)
         else:

@@ -134,7 +134,7 @@ class DataPlaneServer:
         if payload.buffer is None:
             raise StateError(f"round {delivery.round}'s payload does not travel on the data plane")
         wire.send_status(conn, grpc.StatusCode.OK)
-        wire.send_payload(conn, payload.buffer, payload.blake3, with_size=True)
+        wire.send_payload(conn, payload.buffer, payload.digest, with_size=True)
         self.federation.mark_delivered(client_id, delivery.task_id, payload.meta.total_bytes)
 
     def _submit(self, conn: socket.socket, ticket: bytes, raw_header: bytes, caller: int | None) -> None:

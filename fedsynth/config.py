@@ -217,7 +217,7 @@ class RuntimeConfig(Section):
     tls_dir: str | None = None  # `fedsynth deploy provision` folder: the launcher runs every role over mutual TLS
     wire_dtype: str = "float32"  # client updates' floats on the wire; float16 / bfloat16 send them as deltas, half the bytes
     # "tcp": tasks' and updates' payloads of at least data_plane_min_bytes move over the coordinator's data plane (one
-    # TCP or TLS connection per transfer, raw bytes, BLAKE3-checked; docs/runtime.md), not as chunks on gRPC streams
+    # TCP or TLS connection per transfer, raw bytes, checksummed; docs/runtime.md), not as chunks on gRPC streams
     data_plane: str = "grpc"
     data_plane_min_bytes: int = 4 << 20
 

@@ -10,8 +10,8 @@ import hashlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-import blake3
 import torch
+import xxhash
 
 from fedsynth.codec import CHUNK_BYTES, MAX_PAYLOAD_BYTES, PayloadMeta, num_chunks
 from fedsynth.errors import WireError
@@ -45,12 +45,12 @@ def chunk_messages(buffer: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> Iter
 @dataclass(frozen=True)
 class PreparedPayload:
     """A payload ready for any number of receivers: its description and its chunk messages, serialized once; or, for
-    the data plane (fedsynth.data_plane), the buffer itself and its BLAKE3 digest, with no chunk messages."""
+    the data plane (fedsynth.data_plane), the buffer itself and its checksum (XXH3-128), with no chunk messages."""
 
     meta: PayloadMeta
     messages: tuple[bytes, ...]
     buffer: torch.Tensor | None = None
-    blake3: bytes = b""
+    digest: bytes = b""  # the data plane's checksum
 
     @property
     def ready(self) -> bool:
@@ -68,9 +68,9 @@ def prepare(buffer: torch.Tensor) -> PreparedPayload:
 
 
 def prepare_for_data_plane(buffer: torch.Tensor) -> PreparedPayload:
-    """Kept as it is, BLAKE3-hashed once; no SHA-256 and no chunks (nobody receives it over gRPC): the task announces
+    """Kept as it is, its data-plane checksum computed once; no SHA-256 and no chunks (nobody receives it over gRPC): the task announces
     its size, with 0 chunks to follow."""
-    return PreparedPayload(PayloadMeta(buffer.numel(), "", 0), (), buffer, blake3.blake3(byte_view(buffer)).digest())
+    return PreparedPayload(PayloadMeta(buffer.numel(), "", 0), (), buffer, xxhash.xxh3_128(byte_view(buffer)).digest())
 
 
 def receive_into(meta: PayloadMeta, chunks: Iterable[tuple[int, bytes]], *, max_bytes: int = MAX_PAYLOAD_BYTES) -> torch.Tensor:

@@ -4,6 +4,7 @@ refusing bad transfers by name with the status gRPC would give, its model untouc
 from __future__ import annotations
 
 import math
+import re
 import socket
 import struct
 import threading
@@ -11,7 +12,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import blake3
 import grpc
 import pytest
 import torch
@@ -75,7 +75,7 @@ def test_an_update_sent_from_its_tensors_own_memory_arrives_as_its_encoded_buffe
 
 def test_one_changed_byte_is_refused_by_its_checksum() -> None:
     data = bytes(range(256)) * 9000
-    digest = blake3.blake3(data).digest()
+    digest = data_plane.digest_of(data)
     tampered = bytearray(data)
     tampered[1_500_000] ^= 1
     with pytest.raises(WireError, match="payload checksum .* does not match the announced " + digest.hex()[:12]):
@@ -85,20 +85,21 @@ def test_one_changed_byte_is_refused_by_its_checksum() -> None:
 def test_a_payload_cut_short_is_refused_naming_how_much_arrived() -> None:
     with pytest.raises(WireError, match="payload ended after 1000 of 5000 bytes"):
         transfer(lambda s: s.sendall(b"x" * 1000), 5000)
-    with pytest.raises(WireError, match="closed after 0 of 32 bytes of the payload digest"):
+    with pytest.raises(WireError, match=f"closed after 0 of {data_plane.DIGEST_BYTES} bytes of the payload digest"):
         transfer(lambda s: s.sendall(b"x" * 5000), 5000)
 
 
 @pytest.mark.parametrize(("request_bytes", "text"), [
     (b"GET / HTTP/1.1\r\n\r\n" + b"\0" * 16, "not a fedsynth data-plane request (magic b'GET '"),
-    (struct.pack("<4sB16sI", b"FSD1", 9, b"\0" * 16, 0), "unknown data-plane operation 9"),
-    (struct.pack("<4sB16sI", b"FSD1", 2, b"\0" * 16, 1 << 30), "request header of 1073741824 bytes exceeds the limit"),
+    (struct.pack("<4sB16sI", b"FSD1", 1, b"\0" * 16, 0), "not a fedsynth data-plane request (magic b'FSD1', expected b'FSD2')"),
+    (struct.pack("<4sB16sI", data_plane.MAGIC, 9, b"\0" * 16, 0), "unknown data-plane operation 9"),
+    (struct.pack("<4sB16sI", data_plane.MAGIC, 2, b"\0" * 16, 1 << 30), "request header of 1073741824 bytes exceeds the limit"),
 ])
 def test_malformed_requests_are_named(request_bytes: bytes, text: str) -> None:
     left, right = socket.socketpair()
     with left, right:
         right.sendall(request_bytes)
-        with pytest.raises(WireError, match=text.replace("(", r"\(")):
+        with pytest.raises(WireError, match=re.escape(text)):
             data_plane.read_request(left)
 
 
@@ -238,12 +239,12 @@ CASES["garbage header"] = (lambda r: raw_exchange(r, submit_request(r, b"\xff\xf
 CASES["bad magic"] = (lambda r: raw_exchange(r, b"HELO" + submit_request(r, b"")[4:]), INVALID, "not a fedsynth data-plane request")
 CASES["tampered bytes"] = (
     lambda r: raw_exchange(r, submit_request(r, header(r, len(valid_bytes(r)))),
-                           b"\0" + valid_bytes(r)[1:] + blake3.blake3(valid_bytes(r)).digest()),
+                           b"\0" + valid_bytes(r)[1:] + data_plane.digest_of(valid_bytes(r))),
     INVALID, "does not match the announced")
 CASES["fewer bytes than announced"] = (
     lambda r: raw_exchange(r, submit_request(r, header(r, len(valid_bytes(r)))), valid_bytes(r)[:-10]), INVALID, "payload ended after")
 CASES["garbage payload"] = (
-    lambda r: raw_exchange(r, submit_request(r, header(r, 4000)), b"x" * 4000 + blake3.blake3(b"x" * 4000).digest()),
+    lambda r: raw_exchange(r, submit_request(r, header(r, 4000)), b"x" * 4000 + data_plane.digest_of(b"x" * 4000)),
     INVALID, "payload is not valid safetensors")
 
 

@@ -265,6 +265,16 @@ def test_all_finite_agrees_with_isfinite(dtype: torch.dtype) -> None:
                 assert not codec.all_finite(dirty), (size, bad, where)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_all_finite_holds_for_large_finite_values_whose_sum_overflows(dtype: torch.dtype) -> None:
+    """The fast path sums: a sum that overflows (or, with both signs, turns NaN) from finite values is no defect."""
+    big = torch.finfo(dtype).max
+    assert codec.all_finite(torch.full((1000,), big, dtype=dtype))
+    assert codec.all_finite(torch.tensor([big, big, -big, -big] * 10, dtype=dtype))
+    assert not codec.all_finite(torch.tensor([big, big, math.inf], dtype=dtype))
+    assert not codec.all_finite(torch.tensor([math.inf, -math.inf], dtype=dtype))
+
+
 def test_folding_a_checked_update_skips_only_the_repeated_check() -> None:
     g = torch.Generator().manual_seed(2)
     template = {"w": torch.randn(64, 9, generator=g), "n": torch.tensor(3)}

@@ -31,7 +31,7 @@ def measure(malloc: str, repeats: int) -> dict[str, float]:
 
     from fedsynth import codec
     from fedsynth.algorithms import snapshot_state
-    from fedsynth.algorithms.base import FOLD_SCRATCH_ELEMENTS, float64_zeros, fold
+    from fedsynth.algorithms.base import FOLD_SCRATCH_ELEMENTS, float64_zeros, fold, fold_scratches
     from fedsynth.models import build_model
     from fedsynth.tensor_buffer import decode_views, encode_to_buffer
 
@@ -39,7 +39,8 @@ def measure(malloc: str, repeats: int) -> dict[str, float]:
     state = snapshot_state(build_model("resnet18", num_classes=10, in_channels=3, image_size=32))
     update = codec.split_prefixed(decode_views(encode_to_buffer(codec.join_prefixed(model=state))))["model"]
     sums = {key: torch.zeros(value.shape, dtype=torch.float64) for key, value in update.items()}
-    scratch = torch.empty(FOLD_SCRATCH_ELEMENTS, dtype=torch.float64)
+    scratch = [torch.empty(FOLD_SCRATCH_ELEMENTS, dtype=torch.float64)]
+    scratches = fold_scratches(sum(value.numel() for value in update.values()))
     keys = list(update)
 
     def one_call() -> None:
@@ -47,7 +48,8 @@ def measure(malloc: str, repeats: int) -> dict[str, float]:
 
     shapes = {key: tuple(value.shape) for key, value in update.items()}
     ways = {
-        "one _foreach_add_": one_call, "fold via scratch": lambda: fold(sums, update, 3.0, scratch),
+        "one _foreach_add_": one_call, "fold via a scratch": lambda: fold(sums, update, 3.0, scratch),
+        f"fold, {len(scratches)} threads": lambda: fold(sums, update, 3.0, scratches),
         "zeros: torch.zeros per key": lambda: {key: torch.zeros(shape, dtype=torch.float64) for key, shape in shapes.items()},
         "zeros: float64_zeros": lambda: float64_zeros(shapes),
     }

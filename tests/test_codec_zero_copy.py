@@ -333,9 +333,11 @@ def test_folding_through_a_small_scratch_gives_the_bits_of_folding_tensor_by_ten
               "count": torch.tensor(7), "small": torch.randn(3, generator=g)}
     sums = {key: torch.randn(value.shape, generator=g, dtype=torch.float64) for key, value in values.items()}
     expected = {key: total.clone().add_(values[key].to(torch.float64), alpha=0.37) for key, total in sums.items()}
-    fold(sums, values, 0.37, torch.empty(5, dtype=torch.float64))
-    for key, total in expected.items():
-        assert torch.equal(sums[key], total), key
+    for threads in (1, 2, 3):  # the groups shared out among threads: the same bits
+        folded = {key: total.clone() for key, total in sums.items()}
+        fold(folded, values, 0.37, [torch.empty(5, dtype=torch.float64) for _ in range(threads)])
+        for key, total in expected.items():
+            assert torch.equal(folded[key], total), (key, threads)
 
 
 def test_folding_in_one_call_gives_the_bits_of_folding_tensor_by_tensor() -> None:

@@ -27,7 +27,7 @@ from fedsynth.raw_messages import submit_update_call
 from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_OK
 from fedsynth.tensor_buffer import decode_views, encode_parts, encode_to_buffer
 from fedsynth.training import TrainData, images_to_tensor
-from fedsynth.transfer import chunk_messages, describe_buffer, receive_into
+from fedsynth.transfer import chunk_messages, describe_buffer, receive_inline, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -204,10 +204,12 @@ class LogicalClient:
                 received += 1
                 yield message.chunk.seq, message.chunk.data
 
+        meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
         if task.data_ticket:
             buffer = data_plane.fetch(self._endpoint(), task.data_ticket, timeout_s=max(RPC_TIMEOUT_S, task.deadline_s))
+        elif task.inline_payload:
+            buffer = receive_inline(meta, task.inline_payload)
         else:
-            meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
             buffer = receive_into(meta, chunks())
         self.metrics.bytes_received.inc(buffer.numel())
         return codec.split_prefixed(decode_views(buffer))

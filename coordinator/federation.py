@@ -136,6 +136,7 @@ class Federation:
                 rnd.bytes_sent += num_bytes
                 if rnd.delivered.keys() >= set(rnd.sampled):  # as large as the model; a rejoiner's task is encoded again
                     rnd.payload = PreparedPayload(rnd.payload.meta, ())
+                    rnd.dispatched.set()
                 record = self.registry.clients.get(client_id)
                 if record is not None and (self.sdafl is not None or self.mean_pool is not None):
                     record.has_synthetic = True

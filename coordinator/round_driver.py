@@ -39,6 +39,7 @@ from fedsynth.training import TrainData, evaluate
 from fedsynth.transfer import PreparedPayload, prepare, prepare_for_data_plane
 
 log = logging.getLogger(__name__)
+EVALUATION_WAITS_S = 1.0  # the most a closed round's test pass waits for the next round's tasks to be out
 
 
 def _finite_mean(values: list[float]) -> float | None:
@@ -86,6 +87,10 @@ class RoundDriver:
         # round r+1 already trains: the clients never wait for the coordinator's test pass.
         self._evaluator = ThreadPoolExecutor(1, thread_name_prefix="evaluation") if cfg.runtime.overlap_evaluation else None
         self._evaluating: Future[None] | None = None  # the last round submitted for evaluation (kept once done)
+        # The next round's RoundInProgress.dispatched: the test pass waits (at most EVALUATION_WAITS_S) until the next
+        # round's tasks are out, so it does not compete with the dispatch (K = 100: 10 ms of it)
+        self._next_dispatched = threading.Event()
+        self._next_dispatched.set()
         # The model a closed round is tested with: its parameters are assigned the round's checkpoint tensors (no copy);
         # one round is tested at a time.
         self._eval_model = _skeleton(state.model)
@@ -222,6 +227,7 @@ class RoundDriver:
             deadline_s=self.cfg.runtime.round_timeout_s,
             need=quorum_size(m, self.cfg.runtime.quorum),
             global_state=global_state,
+            dispatched=self._next_dispatched,
         )
         with self.lock:
             self.current = rnd
@@ -252,10 +258,12 @@ class RoundDriver:
         if self._evaluator is None:
             self._conclude(closed)
         else:
-            self._evaluating = self._evaluator.submit(self._conclude, closed)
+            self._next_dispatched = threading.Event()
+            self._evaluating = self._evaluator.submit(self._conclude_once_dispatched, closed, self._next_dispatched)
 
     def wait_for_evaluation(self, timeout_s: float | None) -> None:
         """When the run is ending anyway: let the round under test reach its checkpoint; its errors are only logged."""
+        self._next_dispatched.set()  # no next round to wait for
         evaluating = self._evaluating
         if evaluating is not None:
             try:
@@ -271,8 +279,13 @@ class RoundDriver:
 
     def _await_evaluation(self) -> None:
         """Wait for the last submitted round's evaluation; its error is raised here, in the round loop."""
+        self._next_dispatched.set()  # the round it waited for is over (or there is none)
         if self._evaluating is not None:
             self._evaluating.result()
+
+    def _conclude_once_dispatched(self, closed: ClosedRound, dispatched: threading.Event) -> None:
+        dispatched.wait(timeout=EVALUATION_WAITS_S)
+        self._conclude(closed)
 
     def _conclude(self, closed: ClosedRound) -> None:
         """Test the round's model, then record, checkpoint and publish the round (rounds conclude in order)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +33,8 @@ class RoundInProgress:
     global_state: dict[str, torch.Tensor] = field(default_factory=dict)
     payload_with_images: PreparedPayload | None = None  # SDA-FL: the task for clients that lack the shared images
     tickets: dict[bytes, int] = field(default_factory=dict)  # the data plane's ticket -> the client it was issued to
+    # Set once every sampled client has its task (or the round is over): the last round's test pass waits for it
+    dispatched: threading.Event = field(default_factory=threading.Event)
     _sampled: frozenset[int] = field(init=False, repr=False)
     _ticket_of: dict[int, bytes] = field(default_factory=dict, repr=False)
 
@@ -46,6 +49,7 @@ class RoundInProgress:
         self.payload_with_images = None
         self.aggregator = Aggregator({})
         self.global_state = {}
+        self.dispatched.set()
 
     @property
     def pending(self) -> set[int]:

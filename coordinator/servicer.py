@@ -17,6 +17,7 @@ from coordinator.receive_slots import SLOTTED_UPLOAD_BYTES, UPLOAD_SLOTS, Receiv
 from coordinator.updates import header_fields
 from fedsynth import codec
 from fedsynth.errors import StateError, WireError
+from fedsynth.raw_messages import task_message
 from fedsynth.transfer import receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
@@ -46,8 +47,8 @@ def _task_messages(item: TaskDelivery) -> Iterator[pb.ServerMessage | bytes]:
     meta = pb.Payload(total_bytes=item.meta.total_bytes, sha256=item.meta.sha256, num_chunks=item.meta.num_chunks)
     task = pb.Task(round=item.round, task_id=item.task_id, deadline_s=item.deadline_s, generation_quota=item.quota, payload=meta,
                    data_ticket=item.ticket)
-    yield pb.ServerMessage(task=task)
-    yield from item.payload.messages  # none for the data plane; serialized once per round, passed through as bytes
+    yield task_message(task.SerializeToString(), item.payload.inline)
+    yield from item.payload.messages  # none for the data plane or inline; serialized once per round, passed as bytes
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):

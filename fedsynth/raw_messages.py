@@ -14,6 +14,8 @@ import grpc
 
 _CHUNK_FIELD = b"\x12"  # field 2, length-delimited: the oneof's chunk, and Chunk's data
 _SEQ_FIELD = b"\x08"  # field 1, varint
+_TASK_FIELD = b"\x0a"  # ServerMessage's field 1, length-delimited: the oneof's task
+_INLINE_FIELD = b"\x3a"  # Task's field 7, length-delimited: inline_payload
 
 
 def _varint(value: int) -> bytes:
@@ -30,6 +32,14 @@ def chunk_message(seq: int, data: bytes | memoryview) -> bytes:
     size = len(data)
     inner_prefix = (_SEQ_FIELD + _varint(seq) if seq else b"") + (_CHUNK_FIELD + _varint(size) if size else b"")
     return b"".join((_CHUNK_FIELD, _varint(len(inner_prefix) + size), inner_prefix, data))
+
+
+def task_message(task: bytes, inline: bytes) -> bytes:
+    """The serialized `ServerMessage{task}` of a serialized Task (without inline_payload) and its inline payload, built
+    with one copy of `inline` (protobuf's own serializer, from message objects, copies it three times); a field appended
+    to a message's bytes is part of it, and as inline_payload is Task's last field these are protobuf's bytes too."""
+    field = _INLINE_FIELD + _varint(len(inline)) if inline else b""
+    return b"".join((_TASK_FIELD, _varint(len(task) + len(field) + len(inline)), task, field, inline))
 
 
 def passthrough(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:

@@ -49,13 +49,14 @@ class PreparedPayload:
 
     meta: PayloadMeta
     messages: tuple[bytes, ...]
+    inline: bytes = b""  # a payload that fits one chunk: sent in the task itself (Task.inline_payload), no chunks
     buffer: torch.Tensor | None = None
     digest: bytes = b""  # the data plane's checksum
 
     @property
     def ready(self) -> bool:
         """False once let go (every receiver had it): a late receiver needs it prepared again."""
-        return bool(self.messages) or self.buffer is not None
+        return bool(self.messages or self.inline) or self.buffer is not None
 
     @property
     def by_data_plane(self) -> bool:
@@ -63,14 +64,28 @@ class PreparedPayload:
 
 
 def prepare(buffer: torch.Tensor) -> PreparedPayload:
-    """Hash once and frame once; the buffer itself is not kept."""
-    return PreparedPayload(describe_buffer(buffer), tuple(chunk_messages(buffer)))
+    """Hash once and frame once; the buffer itself is not kept. A payload that fits one chunk is kept as bytes, to
+    travel in the task (0 chunks announced)."""
+    meta = describe_buffer(buffer)
+    if meta.num_chunks == 1:
+        return PreparedPayload(PayloadMeta(meta.total_bytes, meta.sha256, 0), (), inline=bytes(byte_view(buffer)))
+    return PreparedPayload(meta, tuple(chunk_messages(buffer)))
 
 
 def prepare_for_data_plane(buffer: torch.Tensor) -> PreparedPayload:
     """Kept as it is, its data-plane checksum computed once; no SHA-256 and no chunks (nobody receives it over gRPC): the task announces
     its size, with 0 chunks to follow."""
-    return PreparedPayload(PayloadMeta(buffer.numel(), "", 0), (), buffer, xxhash.xxh3_128(byte_view(buffer)).digest())
+    return PreparedPayload(PayloadMeta(buffer.numel(), "", 0), (), buffer=buffer, digest=xxhash.xxh3_128(byte_view(buffer)).digest())
+
+
+def receive_inline(meta: PayloadMeta, data: bytes, *, max_bytes: int = MAX_PAYLOAD_BYTES) -> torch.Tensor:
+    """A payload that came in its task (Task.inline_payload, 0 chunks announced), checked as one chunk would be: its
+    size against the announced size and the limit, its SHA-256."""
+    if meta.num_chunks:
+        raise WireError(f"a task with its payload inline announces 0 chunks, not {meta.num_chunks}")
+    if not 0 < meta.total_bytes <= CHUNK_BYTES:
+        raise WireError(f"an inline payload holds 1 to {CHUNK_BYTES} bytes; {meta.total_bytes} announced")
+    return receive_into(PayloadMeta(meta.total_bytes, meta.sha256, 1), [(0, data)], max_bytes=max_bytes)
 
 
 def receive_into(meta: PayloadMeta, chunks: Iterable[tuple[int, bytes]], *, max_bytes: int = MAX_PAYLOAD_BYTES) -> torch.Tensor:

@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 from fedsynth import codec
 from fedsynth.algorithms.base import Aggregator, fold
 from fedsynth.errors import WireError
-from fedsynth.raw_messages import chunk_message, passthrough
+from fedsynth.raw_messages import chunk_message, passthrough, task_message
 from fedsynth.tensor_buffer import HUGE_PAGE_BYTES, decode_views, encode_to_buffer, fresh_buffer, write_safetensors
-from fedsynth.transfer import byte_view, chunk_views, describe_buffer, prepare, receive_into
+from fedsynth.transfer import byte_view, chunk_views, describe_buffer, prepare, receive_inline, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
 
 CHUNK = codec.CHUNK_BYTES
@@ -156,6 +156,20 @@ def test_hand_framed_chunk_messages_are_protobufs_own_bytes(seq: int, size: int)
         assert parsed.WhichOneof("kind") == "chunk" and parsed.chunk.seq == seq and parsed.chunk.data == data
 
 
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 16_384, CHUNK])
+@pytest.mark.parametrize("ticket", [b"", b"t" * 16])
+def test_hand_framed_task_messages_are_protobufs_own_bytes(size: int, ticket: bytes) -> None:
+    inline = payload_of(size)
+    task = pb.Task(round=3, task_id="ab" * 8, deadline_s=60.0, generation_quota=[1, 0, 300], data_ticket=ticket,
+                   payload=pb.Payload(total_bytes=size, sha256="f" * 64))
+    framed = task_message(task.SerializeToString(), inline)
+    whole = pb.Task()
+    whole.CopyFrom(task)
+    whole.inline_payload = inline
+    assert framed == pb.ServerMessage(task=whole).SerializeToString()
+    assert pb.ServerMessage.FromString(framed).task == whole
+
+
 def test_passthrough_serializer_sends_bytes_as_they_are() -> None:
     serialize = passthrough(pb.UpdateChunk.SerializeToString)
     header = pb.UpdateChunk(header=pb.UpdateHeader(client_id=3))
@@ -170,6 +184,23 @@ def test_prepared_payload_frames_every_chunk_once() -> None:
     received = [pb.ServerMessage.FromString(m).chunk for m in prepared.messages]
     assert [c.seq for c in received] == [0, 1, 2, 3]
     assert b"".join(c.data for c in received) == data
+
+
+def test_a_payload_that_fits_one_chunk_travels_inline_and_is_checked_as_a_chunk() -> None:
+    data = payload_of(CHUNK - 5)
+    prepared = prepare(as_buffer(data))
+    assert prepared.ready and prepared.messages == () and prepared.inline == data
+    meta = prepared.meta
+    assert (meta.total_bytes, meta.num_chunks, meta.sha256) == (len(data), 0, hashlib.sha256(data).hexdigest())
+    assert bytes(receive_inline(meta, data).numpy()) == data
+    with pytest.raises(WireError, match="checksum"):
+        receive_inline(meta, data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(WireError, match="announces 0 chunks, not 1"):
+        receive_inline(codec.PayloadMeta(len(data), meta.sha256, 1), data)
+    with pytest.raises(WireError, match=f"an inline payload holds 1 to {CHUNK} bytes; {CHUNK + 1} announced"):
+        receive_inline(codec.PayloadMeta(CHUNK + 1, meta.sha256, 0), data)
+    with pytest.raises(WireError):  # fewer bytes than announced
+        receive_inline(codec.PayloadMeta(len(data) + 1, meta.sha256, 0), data)
 
 
 # ---- receiving in place --------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch
 
 from coordinator import checkpoint
 from fedsynth import codec
+from fedsynth.transfer import receive_inline
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 from runtime_harness import Runtime, channel, wait_until
@@ -51,12 +52,14 @@ def receive_task(stream: Iterator[pb.ServerMessage]) -> tuple[pb.Task, bytes]:
             continue
         assert kind == "task", f"expected a task, got {kind}: {message}"
         task = message.task
+        meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
+        if task.inline_payload:  # a payload that fits one chunk travels in its task
+            return task, bytes(receive_inline(meta, task.inline_payload).numpy())
         chunks = []
         while len(chunks) < task.payload.num_chunks:
             message = next(stream)
             if message.WhichOneof("kind") == "chunk":
                 chunks.append((message.chunk.seq, message.chunk.data))
-        meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
         return task, codec.assemble(meta, chunks)
     raise AssertionError("the dispatch stream ended without a task")
 

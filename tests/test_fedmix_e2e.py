@@ -17,6 +17,8 @@ from safetensors.torch import load_file
 from coordinator.mean_pool import FILE_NAME, MeanDataPool
 from fedsynth import codec
 from fedsynth.errors import StateError, WireError
+from fedsynth.tensor_buffer import decode_views
+from fedsynth.transfer import receive_inline
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 from runtime_harness import Runtime, channel
@@ -49,12 +51,14 @@ def upload(stub: pb_grpc.CoordinatorStub, session: str, tensors: dict[str, np.nd
 
 def _take(stream: Iterator[pb.ServerMessage]) -> tuple[pb.Task, dict[str, dict[str, torch.Tensor]]]:
     task = next(m for m in stream if m.WhichOneof("kind") == "task").task
+    meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
+    if task.inline_payload:  # a payload that fits one chunk travels in its task
+        return task, codec.split_prefixed(decode_views(receive_inline(meta, task.inline_payload)))
     chunks = []
     while len(chunks) < task.payload.num_chunks:
         message = next(stream)
         if message.WhichOneof("kind") == "chunk":
             chunks.append((message.chunk.seq, message.chunk.data))
-    meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
     return task, codec.split_prefixed(codec.decode(codec.assemble(meta, chunks)))
 
 

@@ -13,6 +13,7 @@ from sklearn.linear_model import LogisticRegression
 from coordinator import checkpoint
 from fedsynth import codec
 from fedsynth.data import load_dataset
+from fedsynth.transfer import receive_inline
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 from runtime_harness import Runtime, channel, config, read_record, wait_exit
@@ -122,7 +123,9 @@ def test_bad_uploads_are_refused_and_never_enter_the_synthetic_set(runtime: Runt
         task = next(m for m in stream if m.WhichOneof("kind") == "task").task
         chunks = ((m.chunk.seq, m.chunk.data) for m in stream if m.WhichOneof("kind") == "chunk")
         meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
-        groups = codec.split_prefixed(codec.decode(codec.assemble(meta, _take(chunks, task.payload.num_chunks))))
+        payload = bytes(receive_inline(meta, task.inline_payload).numpy()) if task.inline_payload else codec.assemble(
+            meta, _take(chunks, task.payload.num_chunks))
+        groups = codec.split_prefixed(codec.decode(payload))
         stream.cancel()
     images = groups["synthetic"]["images"].numpy()
     # Client 0's DP-GAN samples exactly as its node cached and uploaded them, then our 7; none labelled yet.

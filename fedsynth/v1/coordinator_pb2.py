@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66\x65\x64synth/v1/coordinator.proto\x12\x0b\x66\x65\x64synth.v1\"\x13\n\x11GetRunSpecRequest\"C\n\x07RunSpec\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12\x13\n\x0bnum_clients\x18\x03 \x01(\r\"\xa9\x01\n\x0fRegisterRequest\x12\x11\n\tclient_id\x18\x01 \x01(\r\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x04\x12\x15\n\rfedeas_images\x18\x03 \x01(\x04\x12\x17\n\x0fmissing_classes\x18\x04 \x03(\r\x12\x0e\n\x06run_id\x18\x05 \x01(\t\x12\x18\n\x10synthetic_digest\x18\x06 \x01(\t\x12\x14\n\x0clabel_counts\x18\x07 \x03(\x04\"\x83\x01\n\rRegisterReply\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x18\n\x10\x63ompleted_rounds\x18\x02 \x01(\r\x12\x1a\n\x12synthetic_uploaded\x18\x03 \x01(\x08\x12\x18\n\x10mean_data_wanted\x18\x04 \x01(\x08\x12\x11\n\tdata_port\x18\x05 \x01(\r\"6\n\x10SubscribeRequest\x12\x11\n\tclient_id\x18\x01 \x01(\r\x12\x0f\n\x07session\x18\x02 \x01(\t\"5\n\x0f\x43lientHeartbeat\x12\x11\n\tclient_id\x18\x01 \x01(\r\x12\x0f\n\x07session\x18\x02 \x01(\t\"#\n\x0eHeartbeatReply\x12\x11\n\tconnected\x18\x01 \x01(\x08\"B\n\x07Payload\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\"\"\n\x05\x43hunk\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x90\x01\n\x04Task\x12\r\n\x05round\x18\x01 \x01(\r\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x12\n\ndeadline_s\x18\x03 \x01(\x01\x12\x18\n\x10generation_quota\x18\x04 \x03(\r\x12%\n\x07payload\x18\x05 \x01(\x0b\x32\x14.fedsynth.v1.Payload\x12\x13\n\x0b\x64\x61ta_ticket\x18\x06 \x01(\x0c\"A\n\x0bRunFinished\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07success\x18\x02 \x01(\x08\x12\x11\n\texit_code\x18\x03 \x01(\x05\"\x1e\n\tHeartbeat\x12\x11\n\tunix_time\x18\x01 \x01(\x01\"\xba\x01\n\rServerMessage\x12!\n\x04task\x18\x01 \x01(\x0b\x32\x11.fedsynth.v1.TaskH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.fedsynth.v1.ChunkH\x00\x12,\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x18.fedsynth.v1.RunFinishedH\x00\x12+\n\theartbeat\x18\x04 \x01(\x0b\x32\x16.fedsynth.v1.HeartbeatH\x00\x42\x06\n\x04kind\"Q\n\x10GenerationReport\x12\x0e\n\x06images\x18\x01 \x01(\x04\x12\x14\n\x0cwall_seconds\x18\x02 \x01(\x01\x12\x11\n\tcache_hit\x18\x04 \x01(\x08J\x04\x08\x03\x10\x04\"\x81\x02\n\x0cUpdateHeader\x12\x11\n\tclient_id\x18\x01 \x01(\r\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12%\n\x07payload\x18\x05 \x01(\x0b\x32\x14.fedsynth.v1.Payload\x12\x15\n\rtrain_seconds\x18\x06 \x01(\x01\x12\x12\n\ntrain_loss\x18\x07 \x01(\x01\x12\x11\n\tnum_steps\x18\x08 \x01(\x04\x12\x15\n\rtrain_samples\x18\t \x01(\x04\x12\x31\n\ngeneration\x18\n \x01(\x0b\x32\x1d.fedsynth.v1.GenerationReport\"g\n\x0bUpdateChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.fedsynth.v1.UpdateHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.fedsynth.v1.ChunkH\x00\x42\x06\n\x04kind\"\x1f\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"\x0e\n\x0cWatchRequest\"\xc4\x01\n\x0cRoundSummary\x12\r\n\x05round\x18\x01 \x01(\r\x12\x14\n\x0ctotal_rounds\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63uracy\x18\x03 \x01(\x01\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x12\n\nduration_s\x18\x05 \x01(\x01\x12\x14\n\x0cparticipants\x18\x06 \x01(\r\x12\x10\n\x08\x66inished\x18\x07 \x01(\x08\x12\x0f\n\x07success\x18\x08 \x01(\x08\x12\x0f\n\x07message\x18\t \x01(\t\x12\x11\n\texit_code\x18\n \x01(\x05\"\xfa\x01\n\x0fSyntheticHeader\x12\x11\n\tclient_id\x18\x01 \x01(\r\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x0e\n\x06height\x18\x04 \x01(\r\x12\r\n\x05width\x18\x05 \x01(\r\x12\x10\n\x08\x63hannels\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12%\n\x07payload\x18\x08 \x01(\x0b\x32\x14.fedsynth.v1.Payload\x12\x0f\n\x07\x65psilon\x18\t \x01(\x01\x12\r\n\x05\x64\x65lta\x18\n \x01(\x01\x12\x18\n\x10noise_multiplier\x18\x0b \x01(\x01\x12\x13\n\x0bgan_seconds\x18\x0c \x01(\x01\"m\n\x0eSyntheticChunk\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.fedsynth.v1.SyntheticHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.fedsynth.v1.ChunkH\x00\x42\x06\n\x04kind\"\x1d\n\x0bUploadReply\x12\x0e\n\x06stored\x18\x01 \x01(\r\"\xc4\x01\n\x0eMeanDataHeader\x12\x11\n\tclient_id\x18\x01 \x01(\r\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x0e\n\x06height\x18\x04 \x01(\r\x12\r\n\x05width\x18\x05 \x01(\r\x12\x10\n\x08\x63hannels\x18\x06 \x01(\r\x12\x13\n\x0bnum_classes\x18\x07 \x01(\r\x12\x12\n\nmean_batch\x18\x08 \x01(\r\x12%\n\x07payload\x18\t \x01(\x0b\x32\x14.fedsynth.v1.Payload\"k\n\rMeanDataChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.fedsynth.v1.MeanDataHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.fedsynth.v1.ChunkH\x00\x42\x06\n\x04kind2\xcc\x04\n\x0b\x43oordinator\x12\x42\n\nGetRunSpec\x12\x1e.fedsynth.v1.GetRunSpecRequest\x1a\x14.fedsynth.v1.RunSpec\x12\x44\n\x08Register\x12\x1c.fedsynth.v1.RegisterRequest\x1a\x1a.fedsynth.v1.RegisterReply\x12H\n\tSubscribe\x12\x1d.fedsynth.v1.SubscribeRequest\x1a\x1a.fedsynth.v1.ServerMessage0\x01\x12\x46\n\tHeartbeat\x12\x1c.fedsynth.v1.ClientHeartbeat\x1a\x1b.fedsynth.v1.HeartbeatReply\x12\x44\n\x0cSubmitUpdate\x12\x18.fedsynth.v1.UpdateChunk\x1a\x18.fedsynth.v1.SubmitReply(\x01\x12\x45\n\x0bWatchRounds\x12\x19.fedsynth.v1.WatchRequest\x1a\x19.fedsynth.v1.RoundSummary0\x01\x12J\n\x0fUploadSynthetic\x12\x1b.fedsynth.v1.SyntheticChunk\x1a\x18.fedsynth.v1.UploadReply(\x01\x12H\n\x0eUploadMeanData\x12\x1a.fedsynth.v1.MeanDataChunk\x1a\x18.fedsynth.v1.UploadReply(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66\x65\x64synth/v1/coordinator.proto\x12\x0b\x66\x65\x64synth.v1\"\x13\n\x11GetRunSpecRequest\"C\n\x07RunSpec\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12\x13\n\x0bnum_clients\x18\x03 \x01(\r\"\xa9\x01\n\x0fRegisterRequest\x12\x11\n\tclient_id\x18\x01 \x01(\r\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x04\x12\x15\n\rfedeas_images\x18\x03 \x01(\x04\x12\x17\n\x0fmissing_classes\x18\x04 \x03(\r\x12\x0e\n\x06run_id\x18\x05 \x01(\t\x12\x18\n\x10synthetic_digest\x18\x06 \x01(\t\x12\x14\n\x0clabel_counts\x18\x07 \x03(\x04\"\x83\x01\n\rRegisterReply\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x18\n\x10\x63ompleted_rounds\x18\x02 \x01(\r\x12\x1a\n\x12synthetic_uploaded\x18\x03 \x01(\x08\x12\x18\n\x10mean_data_wanted\x18\x04 \x01(\x08\x12\x11\n\tdata_port\x18\x05 \x01(\r\"6\n\x10SubscribeRequest\x12\x11\n\tclient_id\x18\x01 \x01(\r\x12\x0f\n\x07session\x18\x02 \x01(\t\"5\n\x0f\x43lientHeartbeat\x12\x11\n\tclient_id\x18\x01 \x01(\r\x12\x0f\n\x07session\x18\x02 \x01(\t\"#\n\x0eHeartbeatReply\x12\x11\n\tconnected\x18\x01 \x01(\x08\"B\n\x07Payload\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\"\"\n\x05\x43hunk\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xa8\x01\n\x04Task\x12\r\n\x05round\x18\x01 \x01(\r\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x12\n\ndeadline_s\x18\x03 \x01(\x01\x12\x18\n\x10generation_quota\x18\x04 \x03(\r\x12%\n\x07payload\x18\x05 \x01(\x0b\x32\x14.fedsynth.v1.Payload\x12\x13\n\x0b\x64\x61ta_ticket\x18\x06 \x01(\x0c\x12\x16\n\x0einline_payload\x18\x07 \x01(\x0c\"A\n\x0bRunFinished\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07success\x18\x02 \x01(\x08\x12\x11\n\texit_code\x18\x03 \x01(\x05\"\x1e\n\tHeartbeat\x12\x11\n\tunix_time\x18\x01 \x01(\x01\"\xba\x01\n\rServerMessage\x12!\n\x04task\x18\x01 \x01(\x0b\x32\x11.fedsynth.v1.TaskH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.fedsynth.v1.ChunkH\x00\x12,\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x18.fedsynth.v1.RunFinishedH\x00\x12+\n\theartbeat\x18\x04 \x01(\x0b\x32\x16.fedsynth.v1.HeartbeatH\x00\x42\x06\n\x04kind\"Q\n\x10GenerationReport\x12\x0e\n\x06images\x18\x01 \x01(\x04\x12\x14\n\x0cwall_seconds\x18\x02 \x01(\x01\x12\x11\n\tcache_hit\x18\x04 \x01(\x08J\x04\x08\x03\x10\x04\"\x81\x02\n\x0cUpdateHeader\x12\x11\n\tclient_id\x18\x01 \x01(\r\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12%\n\x07payload\x18\x05 \x01(\x0b\x32\x14.fedsynth.v1.Payload\x12\x15\n\rtrain_seconds\x18\x06 \x01(\x01\x12\x12\n\ntrain_loss\x18\x07 \x01(\x01\x12\x11\n\tnum_steps\x18\x08 \x01(\x04\x12\x15\n\rtrain_samples\x18\t \x01(\x04\x12\x31\n\ngeneration\x18\n \x01(\x0b\x32\x1d.fedsynth.v1.GenerationReport\"g\n\x0bUpdateChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.fedsynth.v1.UpdateHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.fedsynth.v1.ChunkH\x00\x42\x06\n\x04kind\"\x1f\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"\x0e\n\x0cWatchRequest\"\xc4\x01\n\x0cRoundSummary\x12\r\n\x05round\x18\x01 \x01(\r\x12\x14\n\x0ctotal_rounds\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63uracy\x18\x03 \x01(\x01\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x12\n\nduration_s\x18\x05 \x01(\x01\x12\x14\n\x0cparticipants\x18\x06 \x01(\r\x12\x10\n\x08\x66inished\x18\x07 \x01(\x08\x12\x0f\n\x07success\x18\x08 \x01(\x08\x12\x0f\n\x07message\x18\t \x01(\t\x12\x11\n\texit_code\x18\n \x01(\x05\"\xfa\x01\n\x0fSyntheticHeader\x12\x11\n\tclient_id\x18\x01 \x01(\r\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x0e\n\x06height\x18\x04 \x01(\r\x12\r\n\x05width\x18\x05 \x01(\r\x12\x10\n\x08\x63hannels\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12%\n\x07payload\x18\x08 \x01(\x0b\x32\x14.fedsynth.v1.Payload\x12\x0f\n\x07\x65psilon\x18\t \x01(\x01\x12\r\n\x05\x64\x65lta\x18\n \x01(\x01\x12\x18\n\x10noise_multiplier\x18\x0b \x01(\x01\x12\x13\n\x0bgan_seconds\x18\x0c \x01(\x01\"m\n\x0eSyntheticChunk\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.fedsynth.v1.SyntheticHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.fedsynth.v1.ChunkH\x00\x42\x06\n\x04kind\"\x1d\n\x0bUploadReply\x12\x0e\n\x06stored\x18\x01 \x01(\r\"\xc4\x01\n\x0eMeanDataHeader\x12\x11\n\tclient_id\x18\x01 \x01(\r\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x0e\n\x06height\x18\x04 \x01(\r\x12\r\n\x05width\x18\x05 \x01(\r\x12\x10\n\x08\x63hannels\x18\x06 \x01(\r\x12\x13\n\x0bnum_classes\x18\x07 \x01(\r\x12\x12\n\nmean_batch\x18\x08 \x01(\r\x12%\n\x07payload\x18\t \x01(\x0b\x32\x14.fedsynth.v1.Payload\"k\n\rMeanDataChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.fedsynth.v1.MeanDataHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.fedsynth.v1.ChunkH\x00\x42\x06\n\x04kind2\xcc\x04\n\x0b\x43oordinator\x12\x42\n\nGetRunSpec\x12\x1e.fedsynth.v1.GetRunSpecRequest\x1a\x14.fedsynth.v1.RunSpec\x12\x44\n\x08Register\x12\x1c.fedsynth.v1.RegisterRequest\x1a\x1a.fedsynth.v1.RegisterReply\x12H\n\tSubscribe\x12\x1d.fedsynth.v1.SubscribeRequest\x1a\x1a.fedsynth.v1.ServerMessage0\x01\x12\x46\n\tHeartbeat\x12\x1c.fedsynth.v1.ClientHeartbeat\x1a\x1b.fedsynth.v1.HeartbeatReply\x12\x44\n\x0cSubmitUpdate\x12\x18.fedsynth.v1.UpdateChunk\x1a\x18.fedsynth.v1.SubmitReply(\x01\x12\x45\n\x0bWatchRounds\x12\x19.fedsynth.v1.WatchRequest\x1a\x19.fedsynth.v1.RoundSummary0\x01\x12J\n\x0fUploadSynthetic\x12\x1b.fedsynth.v1.SyntheticChunk\x1a\x18.fedsynth.v1.UploadReply(\x01\x12H\n\x0eUploadMeanData\x12\x1a.fedsynth.v1.MeanDataChunk\x1a\x18.fedsynth.v1.UploadReply(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,35 +50,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHUNK']._serialized_start=658
   _globals['_CHUNK']._serialized_end=692
   _globals['_TASK']._serialized_start=695
-  _globals['_TASK']._serialized_end=839
-  _globals['_RUNFINISHED']._serialized_start=841
-  _globals['_RUNFINISHED']._serialized_end=906
-  _globals['_HEARTBEAT']._serialized_start=908
-  _globals['_HEARTBEAT']._serialized_end=938
-  _globals['_SERVERMESSAGE']._serialized_start=941
-  _globals['_SERVERMESSAGE']._serialized_end=1127
-  _globals['_GENERATIONREPORT']._serialized_start=1129
-  _globals['_GENERATIONREPORT']._serialized_end=1210
-  _globals['_UPDATEHEADER']._serialized_start=1213
-  _globals['_UPDATEHEADER']._serialized_end=1470
-  _globals['_UPDATECHUNK']._serialized_start=1472
-  _globals['_UPDATECHUNK']._serialized_end=1575
-  _globals['_SUBMITREPLY']._serialized_start=1577
-  _globals['_SUBMITREPLY']._serialized_end=1608
-  _globals['_WATCHREQUEST']._serialized_start=1610
-  _globals['_WATCHREQUEST']._serialized_end=1624
-  _globals['_ROUNDSUMMARY']._serialized_start=1627
-  _globals['_ROUNDSUMMARY']._serialized_end=1823
-  _globals['_SYNTHETICHEADER']._serialized_start=1826
-  _globals['_SYNTHETICHEADER']._serialized_end=2076
-  _globals['_SYNTHETICCHUNK']._serialized_start=2078
-  _globals['_SYNTHETICCHUNK']._serialized_end=2187
-  _globals['_UPLOADREPLY']._serialized_start=2189
-  _globals['_UPLOADREPLY']._serialized_end=2218
-  _globals['_MEANDATAHEADER']._serialized_start=2221
-  _globals['_MEANDATAHEADER']._serialized_end=2417
-  _globals['_MEANDATACHUNK']._serialized_start=2419
-  _globals['_MEANDATACHUNK']._serialized_end=2526
-  _globals['_COORDINATOR']._serialized_start=2529
-  _globals['_COORDINATOR']._serialized_end=3117
+  _globals['_TASK']._serialized_end=863
+  _globals['_RUNFINISHED']._serialized_start=865
+  _globals['_RUNFINISHED']._serialized_end=930
+  _globals['_HEARTBEAT']._serialized_start=932
+  _globals['_HEARTBEAT']._serialized_end=962
+  _globals['_SERVERMESSAGE']._serialized_start=965
+  _globals['_SERVERMESSAGE']._serialized_end=1151
+  _globals['_GENERATIONREPORT']._serialized_start=1153
+  _globals['_GENERATIONREPORT']._serialized_end=1234
+  _globals['_UPDATEHEADER']._serialized_start=1237
+  _globals['_UPDATEHEADER']._serialized_end=1494
+  _globals['_UPDATECHUNK']._serialized_start=1496
+  _globals['_UPDATECHUNK']._serialized_end=1599
+  _globals['_SUBMITREPLY']._serialized_start=1601
+  _globals['_SUBMITREPLY']._serialized_end=1632
+  _globals['_WATCHREQUEST']._serialized_start=1634
+  _globals['_WATCHREQUEST']._serialized_end=1648
+  _globals['_ROUNDSUMMARY']._serialized_start=1651
+  _globals['_ROUNDSUMMARY']._serialized_end=1847
+  _globals['_SYNTHETICHEADER']._serialized_start=1850
+  _globals['_SYNTHETICHEADER']._serialized_end=2100
+  _globals['_SYNTHETICCHUNK']._serialized_start=2102
+  _globals['_SYNTHETICCHUNK']._serialized_end=2211
+  _globals['_UPLOADREPLY']._serialized_start=2213
+  _globals['_UPLOADREPLY']._serialized_end=2242
+  _globals['_MEANDATAHEADER']._serialized_start=2245
+  _globals['_MEANDATAHEADER']._serialized_end=2441
+  _globals['_MEANDATACHUNK']._serialized_start=2443
+  _globals['_MEANDATACHUNK']._serialized_end=2550
+  _globals['_COORDINATOR']._serialized_start=2553
+  _globals['_COORDINATOR']._serialized_end=3141
 # @@protoc_insertion_point(module_scope)

@@ -93,20 +93,22 @@ class Chunk(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("round", "task_id", "deadline_s", "generation_quota", "payload", "data_ticket")
+    __slots__ = ("round", "task_id", "deadline_s", "generation_quota", "payload", "data_ticket", "inline_payload")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     GENERATION_QUOTA_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     DATA_TICKET_FIELD_NUMBER: _ClassVar[int]
+    INLINE_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     round: int
     task_id: str
     deadline_s: float
     generation_quota: _containers.RepeatedScalarFieldContainer[int]
     payload: Payload
     data_ticket: bytes
-    def __init__(self, round: _Optional[int] = ..., task_id: _Optional[str] = ..., deadline_s: _Optional[float] = ..., generation_quota: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., data_ticket: _Optional[bytes] = ...) -> None: ...
+    inline_payload: bytes
+    def __init__(self, round: _Optional[int] = ..., task_id: _Optional[str] = ..., deadline_s: _Optional[float] = ..., generation_quota: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., data_ticket: _Optional[bytes] = ..., inline_payload: _Optional[bytes] = ...) -> None: ...
 
 class RunFinished(_message.Message):
     __slots__ = ("reason", "success", "exit_code")

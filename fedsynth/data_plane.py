@@ -48,7 +48,7 @@ MAX_MESSAGE_BYTES = 1 << 12
 _REQUEST = struct.Struct(f"<4sB{TICKET_BYTES}sI")
 _STATUS = struct.Struct("<BI")
 _TOTAL = struct.Struct("<Q")
-PIECE_BYTES = CHUNK_BYTES  # sent and hashed per piece
+PIECE_BYTES = 4 * CHUNK_BYTES  # sent and hashed per piece: each piece is one trip back to the GIL, beside other threads
 SMALL_PART_BYTES = 64 << 10  # parts smaller than this are joined into one piece: no send per bias vector
 STALL_S = 60.0  # no byte for this long (or no answer: a receive slot, a fold) and a transfer counts as broken
 

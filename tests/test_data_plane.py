@@ -64,7 +64,7 @@ def test_an_update_sent_from_its_tensors_own_memory_arrives_as_its_encoded_buffe
     """encode_parts + send_payload (the client's upload: no encoded copy) deliver exactly encode_to_buffer's bytes, with
     their digest: small tensors joined into pieces, large ones sliced, an empty one and a bfloat16 one among them."""
     g = torch.Generator().manual_seed(0)
-    tensors = {"conv": torch.randn(700_000, generator=g), "bias": torch.randn(10, generator=g), "empty": torch.empty(0, 3),
+    tensors = {"conv": torch.randn(data_plane.PIECE_BYTES // 4 + 1000, generator=g), "bias": torch.randn(10, generator=g), "empty": torch.empty(0, 3),
                "half": torch.randn(40_000, generator=g).bfloat16(), "count": torch.tensor(5), "mid": torch.randn(20_000, generator=g)}
     expected = encode_to_buffer(tensors)
     parts = encode_parts(tensors)

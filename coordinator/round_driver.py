@@ -28,7 +28,7 @@ from coordinator.registry import ClientRegistry
 from coordinator.rounds import RoundInProgress, quorum_size, round_phases
 from coordinator.run_state import RunState
 from coordinator.sdafl_server import SdaflServer
-from fedsynth import codec
+from fedsynth import codec, data_plane
 from fedsynth.algorithms.base import Algorithm, snapshot_state
 from fedsynth.allocation import assigned_quota
 from fedsynth.config import RunConfig
@@ -36,7 +36,7 @@ from fedsynth.errors import QuorumError
 from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_INTERNAL, EXIT_OK
 from fedsynth.tensor_buffer import encode_to_buffer
 from fedsynth.training import TrainData, evaluate
-from fedsynth.transfer import PreparedPayload, prepare, prepare_for_data_plane
+from fedsynth.transfer import PreparedPayload, prepare
 
 log = logging.getLogger(__name__)
 EVALUATION_WAITS_S = 1.0  # the most a closed round's test pass waits for the next round's tasks to be out
@@ -207,7 +207,7 @@ class RoundDriver:
         buffer = encode_to_buffer(codec.join_prefixed(**groups))
         runtime = self.cfg.runtime
         if runtime.data_plane == "tcp" and buffer.numel() >= runtime.data_plane_min_bytes:
-            return prepare_for_data_plane(buffer)
+            return data_plane.prepare(buffer)
         return prepare(buffer)
 
     def _play_round(self, number: int) -> None:

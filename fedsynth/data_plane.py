@@ -34,10 +34,10 @@ import grpc
 import torch
 import xxhash
 
-from fedsynth.codec import CHUNK_BYTES, MAX_PAYLOAD_BYTES
+from fedsynth.codec import CHUNK_BYTES, MAX_PAYLOAD_BYTES, PayloadMeta
 from fedsynth.errors import WireError
 from fedsynth.tensor_buffer import fresh_buffer
-from fedsynth.transfer import byte_view
+from fedsynth.transfer import PreparedPayload, byte_view
 
 MAGIC = b"FSD2"  # FSD1 (2026-12-04) carried a 32-byte BLAKE3 digest
 FETCH, SUBMIT = 1, 2
@@ -149,6 +149,12 @@ def read_request(sock: socket.socket) -> tuple[int, bytes, bytes]:
 def digest_of(data: bytes | memoryview) -> bytes:
     """The checksum a payload travels with (XXH3-128, see above)."""
     return xxhash.xxh3_128(data).digest()
+
+
+def prepare(buffer: torch.Tensor) -> PreparedPayload:
+    """A task payload for the data plane: kept as it is, its checksum computed once; no SHA-256 and no chunks (nobody
+    receives it over gRPC): the task announces its size, with 0 chunks to follow."""
+    return PreparedPayload(PayloadMeta(buffer.numel(), "", 0), (), buffer=buffer, digest=digest_of(byte_view(buffer)))
 
 
 def send_payload(sock: socket.socket, payload: Payload, digest: bytes | None = None, *, with_size: bool = False) -> None:

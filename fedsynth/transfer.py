@@ -11,7 +11,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
 from fedsynth.codec import CHUNK_BYTES, MAX_PAYLOAD_BYTES, PayloadMeta, num_chunks
 from fedsynth.errors import WireError
@@ -45,7 +44,7 @@ def chunk_messages(buffer: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> Iter
 @dataclass(frozen=True)
 class PreparedPayload:
     """A payload ready for any number of receivers: its description and its chunk messages, serialized once; or, for
-    the data plane (fedsynth.data_plane), the buffer itself and its checksum (XXH3-128), with no chunk messages."""
+    the data plane (fedsynth.data_plane.prepare), the buffer itself and its checksum, with no chunk messages."""
 
     meta: PayloadMeta
     messages: tuple[bytes, ...]
@@ -70,12 +69,6 @@ def prepare(buffer: torch.Tensor) -> PreparedPayload:
     if meta.num_chunks == 1:
         return PreparedPayload(PayloadMeta(meta.total_bytes, meta.sha256, 0), (), inline=bytes(byte_view(buffer)))
     return PreparedPayload(meta, tuple(chunk_messages(buffer)))
-
-
-def prepare_for_data_plane(buffer: torch.Tensor) -> PreparedPayload:
-    """Kept as it is, its data-plane checksum computed once; no SHA-256 and no chunks (nobody receives it over gRPC): the task announces
-    its size, with 0 chunks to follow."""
-    return PreparedPayload(PayloadMeta(buffer.numel(), "", 0), (), buffer=buffer, digest=xxhash.xxh3_128(byte_view(buffer)).digest())
 
 
 def receive_inline(meta: PayloadMeta, data: bytes, *, max_bytes: int = MAX_PAYLOAD_BYTES) -> torch.Tensor:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 import numbers
+import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -222,9 +222,15 @@ def fold_scratches(numel: int) -> list[torch.Tensor]:
     return [fresh_buffer(8 * size).view(torch.float64) for _ in range(FOLD_THREADS if numel > size else 1)]
 
 
-@functools.cache
+_helpers: tuple[int, ThreadPoolExecutor] | None = None
+
+
 def _fold_helpers() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(FOLD_THREADS - 1, thread_name_prefix="fold")
+    """The process's fold helper threads (made again in a forked child, which has none of its parent's threads)."""
+    global _helpers
+    if _helpers is None or _helpers[0] != os.getpid():
+        _helpers = (os.getpid(), ThreadPoolExecutor(FOLD_THREADS - 1, thread_name_prefix="fold"))
+    return _helpers[1]
 
 
 Group = list[tuple[torch.Tensor, torch.Tensor]]  # (a flat piece of a sum, the same piece of the update)

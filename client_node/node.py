@@ -266,6 +266,8 @@ class LogicalClient:
         else:
             payload = encode_to_buffer(outgoing)
             meta = describe_buffer(payload)
+            if meta.num_chunks == 1:  # it fits one chunk: it travels in the header, one message
+                meta = codec.PayloadMeta(meta.total_bytes, meta.sha256, 0)
         del outgoing  # the parts (or the payload) hold what they need
         header = pb.UpdateHeader(
             client_id=self.client_id,
@@ -278,11 +280,13 @@ class LogicalClient:
             num_steps=update.num_steps,
             train_samples=len(self.state.data),
             generation=generation_report,
+            inline_payload=b"" if task.data_ticket or meta.num_chunks else bytes(payload.numpy()),
         )
 
         def messages() -> Iterator[pb.UpdateChunk | bytes]:
             yield pb.UpdateChunk(header=header)
-            yield from chunk_messages(payload)
+            if not header.inline_payload:
+                yield from chunk_messages(payload)
 
         def submit() -> object:
             timeout_s = max(RPC_TIMEOUT_S, task.deadline_s)

@@ -144,6 +144,8 @@ class DataPlaneServer:
             h = pb.UpdateHeader.FromString(raw_header)
         except Exception as exc:  # protobuf's DecodeError: bytes that are no UpdateHeader
             raise WireError(f"the request header is not an UpdateHeader ({type(exc).__name__})") from None
+        if h.inline_payload:
+            raise WireError("an update on the data plane sends its bytes after the header, not inline in it")
         if h.client_id != client_id or h.task_id != rnd.task_id:
             raise AuthenticationError(f"the update names client {h.client_id} and task {h.task_id[:8]!r}, but the ticket is "
                                       f"client {client_id}'s for task {rnd.task_id[:8]!r}")

@@ -10,6 +10,7 @@ from contextlib import nullcontext
 from typing import Any
 
 import grpc
+import torch
 
 from coordinator.dispatch import Finished, TaskDelivery
 from coordinator.federation import Federation
@@ -18,7 +19,7 @@ from coordinator.updates import header_fields
 from fedsynth import codec
 from fedsynth.errors import StateError, WireError
 from fedsynth.raw_messages import task_message
-from fedsynth.transfer import receive_into
+from fedsynth.transfer import receive_inline, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -37,6 +38,15 @@ def _first_header(request_iterator: Iterator[Any], refusal: str) -> Any:
     if first is None or first.WhichOneof("kind") != "header":
         raise WireError(refusal)
     return first.header
+
+
+def _receive_update(meta: codec.PayloadMeta, inline: bytes, chunks: Iterator[tuple[int, bytes]], max_bytes: int) -> torch.Tensor:
+    """An update's bytes: the chunks after its header, or its inline payload, after which the stream must end."""
+    if not inline:
+        return receive_into(meta, chunks, max_bytes=max_bytes)
+    if next(chunks, None) is not None:
+        raise WireError("an update with its payload inline in the header is followed by chunks")
+    return receive_inline(meta, inline, max_bytes=max_bytes)
 
 
 def _payload_fields(header: Any) -> dict[str, Any]:
@@ -123,7 +133,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             meta = codec.PayloadMeta(header["total_bytes"], header["sha256"], header["num_chunks"])
             chunks = self._chunks(request_iterator)
             self.federation.accept_update(
-                header, lambda max_bytes: receive_into(meta, chunks, max_bytes=max_bytes),
+                header, lambda max_bytes: _receive_update(meta, h.inline_payload, chunks, max_bytes),
                 receiving=lambda: self.receive_slots.hold(
                     context.is_active, what=f"client {h.client_id}'s update for round {h.round}") if large else nullcontext(True))
         except UploadCancelled as exc:  # its deadline passed or it was cancelled while waiting: nothing was received

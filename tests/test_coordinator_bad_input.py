@@ -109,6 +109,12 @@ def stream_of(rnd: OpenRound, data: bytes, **changes: object) -> list[pb.UpdateC
     return [pb.UpdateChunk(header=header(rnd, data, **changes)), *chunk_messages(data)]
 
 
+def inline_of(rnd: OpenRound, data: bytes, **changes: object) -> list[pb.UpdateChunk]:
+    """An update in one message, its bytes in the header (as a client sends one that fits a chunk)."""
+    fields: dict[str, object] = {"payload": pb.Payload(total_bytes=len(data), sha256=codec.sha256(data)), "inline_payload": data}
+    return [pb.UpdateChunk(header=header(rnd, data, **{**fields, **changes}))]
+
+
 def encoded(model: StateDict, **extra_groups: StateDict) -> bytes:
     return codec.encode(codec.join_prefixed(model=model, **extra_groups))
 
@@ -170,6 +176,17 @@ CASES: dict[str, tuple[Callable[[OpenRound], list[pb.UpdateChunk]], grpc.StatusC
     "no header": (lambda r: chunk_messages(valid(r)), INVALID, "must start with an UpdateHeader"),
     "empty stream": (lambda r: [], INVALID, "must start with an UpdateHeader"),
     "second header": (lambda r: [*stream_of(r, valid(r)), pb.UpdateChunk(header=header(r, valid(r)))], INVALID, "one header, then only chunks"),
+    "inline: NaN values": (lambda r: inline_of(r, changed(r, "classifier.bias", nan_bias)), INVALID, "'classifier.bias' contains NaN"),
+    "inline: bad sha256": (lambda r: inline_of(r, valid(r), payload=pb.Payload(total_bytes=len(valid(r)), sha256="0" * 64)), INVALID,
+                           "does not match the announced 000000000000"),
+    "inline: chunks announced": (lambda r: inline_of(r, valid(r), payload=payload_meta(len(valid(r)), codec.sha256(valid(r)))), INVALID,
+                                 "announces 0 chunks, not 1"),
+    "inline: fewer bytes than announced": (
+        lambda r: inline_of(r, valid(r)[:-10], payload=pb.Payload(total_bytes=len(valid(r)), sha256=codec.sha256(valid(r)))),
+        INVALID,
+        "payload ended after",
+    ),
+    "inline, then a chunk": (lambda r: [*inline_of(r, valid(r)), *chunk_messages(valid(r))[:1]], INVALID, "followed by chunks"),
 }
 
 
@@ -197,7 +214,7 @@ def test_refused_updates_leave_the_global_model_unchanged(open_round: OpenRound)
         assert_refused(open_round, name)
     before = open_round.model
     shifted = {key: value + 0.5 for key, value in before.items()}  # every value moves, exactly representable
-    assert submit(open_round, stream_of(open_round, encoded(shifted))).accepted
+    assert submit(open_round, inline_of(open_round, encoded(shifted))).accepted
 
     # With one client, the next global model is exactly its update: nothing refused was folded in.
     task, payload = receive_task(open_round.stream)

@@ -235,6 +235,8 @@ case("unknown ticket", PRECONDITION, "unknown data-plane ticket")(
     lambda r: data_plane.fetch(r.endpoint, b"\x01" * 16, timeout_s=RPC_TIMEOUT_S))
 CASES["oversized announced total"] = (
     lambda r: raw_exchange(r, submit_request(r, header(r, 10**12))), INVALID, "announced payload of 1000000000000 bytes exceeds")
+CASES["payload inline in the header"] = (
+    lambda r: raw_exchange(r, submit_request(r, header(r, 4000, inline_payload=b"x" * 4000))), INVALID, "not inline in it")
 CASES["garbage header"] = (lambda r: raw_exchange(r, submit_request(r, b"\xff\xff\xff")), INVALID, "not an UpdateHeader")
 CASES["bad magic"] = (lambda r: raw_exchange(r, b"HELO" + submit_request(r, b"")[4:]), INVALID, "not a fedsynth data-plane request")
 CASES["tampered bytes"] = (

@@ -149,7 +149,7 @@ class GenerationReport(_message.Message):
     def __init__(self, images: _Optional[int] = ..., wall_seconds: _Optional[float] = ..., cache_hit: _Optional[bool] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
-    __slots__ = ("client_id", "session", "round", "task_id", "payload", "train_seconds", "train_loss", "num_steps", "train_samples", "generation")
+    __slots__ = ("client_id", "session", "round", "task_id", "payload", "train_seconds", "train_loss", "num_steps", "train_samples", "generation", "inline_payload")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,7 @@ class UpdateHeader(_message.Message):
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     TRAIN_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    INLINE_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     client_id: int
     session: str
     round: int
@@ -170,7 +171,8 @@ class UpdateHeader(_message.Message):
     num_steps: int
     train_samples: int
     generation: GenerationReport
-    def __init__(self, client_id: _Optional[int] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., train_seconds: _Optional[float] = ..., train_loss: _Optional[float] = ..., num_steps: _Optional[int] = ..., train_samples: _Optional[int] = ..., generation: _Optional[_Union[GenerationReport, _Mapping]] = ...) -> None: ...
+    inline_payload: bytes
+    def __init__(self, client_id: _Optional[int] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., train_seconds: _Optional[float] = ..., train_loss: _Optional[float] = ..., num_steps: _Optional[int] = ..., train_samples: _Optional[int] = ..., generation: _Optional[_Union[GenerationReport, _Mapping]] = ..., inline_payload: _Optional[bytes] = ...) -> None: ...
 
 class UpdateChunk(_message.Message):
     __slots__ = ("header", "chunk")

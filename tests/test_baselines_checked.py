@@ -27,6 +27,7 @@ from fedsynth.config import load_config
 from fedsynth.data import load_dataset
 from fedsynth.models import ProjectedModel, build_model
 from fedsynth.training import LocalTrainConfig, TrainData, images_to_tensor
+from fedsynth.transfer import receive_inline
 from fedsynth.v1 import coordinator_pb2 as pb
 
 StateDict = dict[str, torch.Tensor]
@@ -200,7 +201,11 @@ class _Coordinator:
         # the client frames its chunk messages by hand (fedsynth.raw_messages): bytes, parsed here as the server would
         header, *chunks = [m if isinstance(m, pb.UpdateChunk) else pb.UpdateChunk.FromString(m) for m in messages]
         meta = codec.PayloadMeta(header.header.payload.total_bytes, header.header.payload.sha256, header.header.payload.num_chunks)
-        data = codec.assemble(meta, ((m.chunk.seq, m.chunk.data) for m in chunks))
+        if header.header.inline_payload:  # an update that fits one chunk travels in its header
+            assert not chunks
+            data = bytes(receive_inline(meta, header.header.inline_payload).numpy())
+        else:
+            data = codec.assemble(meta, ((m.chunk.seq, m.chunk.data) for m in chunks))
         self.models.append(codec.split_prefixed(codec.decode(data))["model"])
 
 

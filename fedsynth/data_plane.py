@@ -146,9 +146,15 @@ def read_request(sock: socket.socket) -> tuple[int, bytes, bytes]:
     return op, ticket, read_exact(sock, header_len, "the request header")
 
 
+def new_checksum() -> xxhash.xxh3_128:
+    """The checksum a payload travels with (XXH3-128, see above), to feed piece by piece."""
+    return xxhash.xxh3_128()
+
+
 def digest_of(data: bytes | memoryview) -> bytes:
-    """The checksum a payload travels with (XXH3-128, see above)."""
-    return xxhash.xxh3_128(data).digest()
+    checksum = new_checksum()
+    checksum.update(data)
+    return checksum.digest()
 
 
 def prepare(buffer: torch.Tensor) -> PreparedPayload:
@@ -163,7 +169,7 @@ def send_payload(sock: socket.socket, payload: Payload, digest: bytes | None = N
     parts = [byte_view(payload)] if isinstance(payload, torch.Tensor) else payload
     if with_size:
         sock.sendall(_TOTAL.pack(sum(part.nbytes for part in parts)))
-    hasher = None if digest is not None else xxhash.xxh3_128()
+    hasher = None if digest is not None else new_checksum()
     for piece in _pieces(parts):
         sock.sendall(piece)
         if hasher is not None:
@@ -195,7 +201,7 @@ def receive_payload(sock: socket.socket, total: int, *, deadline: float) -> torc
     """`total` bytes into one fresh buffer, hashed as they arrive, then checked against the sender's digest."""
     buffer = fresh_buffer(total)  # untouched pages: an announced size never sent costs no memory
     view = byte_view(buffer)
-    hasher = xxhash.xxh3_128()
+    hasher = new_checksum()
     got = hashed = 0
     while got < total:
         if time.monotonic() > deadline:

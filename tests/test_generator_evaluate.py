@@ -206,7 +206,11 @@ def test_a_cpu_judge_keeps_its_cache_folder_and_a_gpu_judge_gets_another(tmp_pat
                       "--judge-device", "cpu")
     folder = Path(again["judge"]["folder"])
     assert again["judge"]["device"] == "cpu" and folder.name == before
-    assert json.loads((folder / JUDGE_FILE).read_text())["key"] == cpu_key
+    meta = json.loads((folder / JUDGE_FILE).read_text())
+    assert meta["key"] == cpu_key
+    # What made its bits: another torch or other CPU kernels give another judge from the same recipe and seed.
+    assert meta["trained_on"]["device"] == "cpu" and meta["trained_on"]["torch"] == torch.__version__
+    assert meta["trained_on"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     if holdout["judge"]["device"] == "cpu":  # auto chose the CPU here: the same judge, read from its cache
         assert again["judge"]["cached"] and holdout["judge"]["folder"] == again["judge"]["folder"]
         assert again["recognizability"] == holdout["recognizability"] and again["cas"] == holdout["cas"]

@@ -199,7 +199,7 @@ def load_or_train_judge(dataset: str, *, data_dir: Path | None, seed: int, recip
     reference = _stats(model, train)
     meta = {"key": key, "test_accuracy": accuracy(model, test), "train_accuracy": accuracy(model, train),
             "train_seconds": time.perf_counter() - started, "num_classes": train.num_classes,
-            "image_shape": list(train.image_shape)}
+            "image_shape": list(train.image_shape), "trained_on": trained_on(device)}
 
     def write(tmp: Path) -> None:
         tmp.mkdir()
@@ -216,6 +216,13 @@ def load_or_train_judge(dataset: str, *, data_dir: Path | None, seed: int, recip
     log.info("judge trained in %.1fs: test accuracy %.4f", meta["train_seconds"], meta["test_accuracy"])
     return Judge(model, recipe, dataset, train.num_classes, train.image_shape, folder, meta["test_accuracy"],
                  meta["train_accuracy"], reference, False, time.perf_counter() - started)
+
+
+def trained_on(device: torch.device | str) -> dict[str, Any]:
+    """Where the judge's bits came from: the same recipe and seed give other weights under another torch or other CPU
+    kernels (docs/generator.md), so judge.json records them."""
+    return {"device": torch.device(device).type, "torch": torch.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
 
 
 def remove_stale_scratch(folder: Path) -> None:

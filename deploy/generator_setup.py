@@ -9,10 +9,12 @@ from pathlib import Path
 
 from deploy.processes import ProcessGroup, fedsynth_command
 from fedsynth.config import RunConfig
+from fedsynth.config_schema import GENERATOR_TRAIN_LR
 from fedsynth.errors import ConfigError
 from fedsynth.generator_names import METADATA_FILE
 
 TRAIN_TIMEOUT_S = 3 * 3600.0
+LR_BEFORE_SIZES = 2e-3  # every size's training lr until 2026-12-05
 
 
 def cache_root() -> Path:
@@ -21,7 +23,10 @@ def cache_root() -> Path:
 
 def default_model_dir(cfg: RunConfig) -> Path:
     g = cfg.generation
-    return cache_root() / "generators" / f"{cfg.data.dataset}-{g.size}-{g.train_steps}steps-seed{cfg.seed}"
+    lr = GENERATOR_TRAIN_LR[g.size]
+    # Folders trained before the lr depended on the size had 2e-3: a half model cached then (collapsed) is not reused.
+    trained_with = "" if lr == LR_BEFORE_SIZES else f"-lr{lr:g}"
+    return cache_root() / "generators" / f"{cfg.data.dataset}-{g.size}-{g.train_steps}steps-seed{cfg.seed}{trained_with}"
 
 
 def ensure_generator_model(cfg: RunConfig, group: ProcessGroup) -> Path:

@@ -24,6 +24,10 @@ ACCOUNTANTS = ("rdp", "prv")  # generator_service.dpgan (Opacus accountants)
 MODELS = ("cnn", "resnet18")  # fedsynth.models.build_model
 GENERATOR_BACKENDS = ("ddpm", "holdout", "text2image")  # generator_service.backends; holdout: real held-out images
 GENERATOR_SIZES = ("tiny", "small", "half", "ddpm-cifar")  # generator_service.ddpm.model.SIZES
+# `generator train`'s default AdamW lr by size. 2e-3 trains the two CPU sizes in few steps; at 2e-3 "half" collapsed on
+# digits (after 1,500 steps it predicted ~0 noise and drew noise: docs/generator.md), so the DDPM-CIFAR layouts take
+# Ho et al.'s 2e-4. The launcher names the lr in a cached model's folder where it is not the 2e-3 of older folders.
+GENERATOR_TRAIN_LR = {"tiny": 2e-3, "small": 2e-3, "half": 2e-4, "ddpm-cifar": 2e-4}
 WIRE_DTYPES = ("float32", "float16", "bfloat16")  # fedsynth.wire_dtype: the floats of client updates on the wire
 DATA_PLANES = ("grpc", "tcp")  # how model payloads travel: chunks on the gRPC streams, or fedsynth.data_plane beside them
 MAX_EXPONENT = 2.0  # generation.exponent / plan --exponent: past (N_k / C)^2 no generator could fill a budget

@@ -20,7 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="UNet size: tiny (~0.7M, CPU), half (~9M), ddpm-cifar (35.7M, GPU) (default %(default)s)")
     parser.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
     parser.add_argument("--batch-size", type=int, default=d.batch_size, help="default %(default)s")
-    parser.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate after warm-up (default %(default)s)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="AdamW learning rate after warm-up (default: the size's, 2e-3 for tiny and small, "
+                             "2e-4 for half and ddpm-cifar)")
     parser.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear lr warm-up (default %(default)s)")
     parser.add_argument("--out", type=Path, required=True, help="generator folder to write (checkpoints go in OUT/checkpoints)")
     parser.add_argument("--seed", type=int, default=d.seed, help="seeds init, batches, noise and dropout (default %(default)s)")

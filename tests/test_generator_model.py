@@ -114,3 +114,26 @@ def test_train_command_writes_a_servable_folder_and_a_grid(tmp_path: Path, capsy
     assert grid.shape == (10 * 36, 3 * 36)  # a row per class; 8x8 cells + a 1-pixel gap, scaled by 4
     assert fedsynth_main(["generator", "train", "--dataset", "digits", "--out", str(out), "--steps", "0"]) == 1
     assert "fedsynth generator train: error: steps must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_the_default_learning_rate_is_the_sizes_and_the_launcher_names_it_in_new_cache_folders(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from deploy.generator_setup import default_model_dir
+    from fedsynth.config import from_dict
+    from fedsynth.config_schema import GENERATOR_TRAIN_LR
+    from generator_service.ddpm.model import SIZES
+
+    assert set(GENERATOR_TRAIN_LR) == set(SIZES)
+    # At 2e-3 `half` collapsed on digits (docs/generator.md); the DDPM-CIFAR layouts default to Ho et al.'s 2e-4.
+    assert [TrainConfig(dataset="digits", out=tmp_path, size=size).lr for size in ("tiny", "small", "half", "ddpm-cifar")] \
+        == [2e-3, 2e-3, 2e-4, 2e-4]
+    assert TrainConfig(dataset="digits", out=tmp_path, size="half", lr=1e-3).lr == 1e-3
+    out = tmp_path / "half"
+    assert fedsynth_main(["generator", "train", "--dataset", "digits", "--size", "half", "--steps", "1", "--batch-size", "4",
+                          "--out", str(out), "--grid-per-class", "0", "--no-progress", "--threads", "1"]) == 0
+    assert json.loads((out / "fedsynth_generator.json").read_text())["extra"]["lr"] == 2e-4
+    # The launcher's train-on-first-use folder: tiny's name is the one cached before (still found); a half model cached
+    # before, trained at 2e-3, is not picked up.
+    monkeypatch.setenv("FEDSYNTH_CACHE", str(tmp_path))
+    names = [default_model_dir(from_dict({"generation": {"size": size}})).name for size in ("tiny", "half")]
+    assert names == ["digits-tiny-1500steps-seed0", "digits-half-1500steps-seed0-lr0.0002"]

@@ -15,6 +15,7 @@ from diffusers import UNet2DModel
 from diffusers.training_utils import EMAModel
 from tqdm import tqdm
 
+from fedsynth.config_schema import GENERATOR_TRAIN_LR
 from fedsynth.data import DATASETS, load_dataset
 from fedsynth.errors import ConfigError
 from fedsynth.runtime import write_atomic
@@ -44,7 +45,7 @@ class TrainConfig:
     data_dir: Path | None = None
     steps: int = 1500  # tiny on digits: recognizable images (docs/generator.md); CIFAR needs far more
     batch_size: int = 64
-    lr: float = 2e-3
+    lr: float | None = None  # None: the size's, GENERATOR_TRAIN_LR (2e-3 for tiny and small, 2e-4 for half and ddpm-cifar)
     warmup_steps: int = 100
     seed: int = 0
     label_dropout: float = 0.1
@@ -63,6 +64,8 @@ class TrainConfig:
             raise ConfigError(f"unknown dataset {self.dataset!r}; expected one of {', '.join(DATASETS)}")
         if self.size not in SIZES:
             raise ConfigError(f"unknown generator size {self.size!r}; expected one of {', '.join(SIZES)}")
+        if self.lr is None:
+            object.__setattr__(self, "lr", GENERATOR_TRAIN_LR[self.size])
         for name in ("steps", "batch_size", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from fedsynth.data import DATASETS, load_dataset
 from fedsynth.errors import ConfigError
 from fedsynth.runtime import write_atomic
 from generator_service.ddpm.grid import save_class_grid
+from generator_service.ddpm.loss_guard import LossGuard, TrainingDiverged
 from generator_service.ddpm.model import (
     METADATA_FILE,
     SIZES,
@@ -166,7 +168,7 @@ def _train(cfg: TrainConfig) -> Path:
     unet.train()
     bar = tqdm(total=cfg.steps, initial=min(start, cfg.steps), desc=f"train {cfg.size} on {cfg.dataset}",
                disable=not cfg.progress, dynamic_ncols=True)
-    smoothed = None
+    guard = LossGuard(warmup_steps=cfg.warmup_steps)
     for step in range(start, cfg.steps):
         g = _step_generator(cfg.seed, step)
         idx = torch.randint(len(images), (cfg.batch_size,), generator=g)
@@ -183,19 +185,33 @@ def _train(cfg: TrainConfig) -> Path:
             group["lr"] = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
         with autocast:
             loss = F.mse_loss(unet(noisy, t, class_labels=labels).sample.float(), noise)
+        why = guard.check(step, loss.item())
+        if why:
+            bar.close()
+            raise _diverged(cfg, out, f"stopped before updating the weights: {why}")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
         optimizer.step()
         ema.step(unet.parameters())
-        value = loss.item()
-        smoothed = value if smoothed is None else 0.98 * smoothed + 0.02 * value
         bar.update(1)
-        bar.set_postfix(loss=f"{smoothed:.4f}")
+        bar.set_postfix(loss=f"{guard.smoothed:.4f}")
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+            with torch.no_grad(), autocast:  # the step's loss judged the weights before it, not after
+                after = F.mse_loss(unet(noisy, t, class_labels=labels).sample.float(), noise).item()
+            if not math.isfinite(after):
+                bar.close()
+                raise _diverged(cfg, out, f"the weights after step {step + 1} give a loss of {after}, so they were not saved")
             _save_checkpoint(out, step + 1, unet, ema, ema_unet, optimizer, cfg)
     bar.close()
     return _finish(cfg, out, data.num_classes, data.image_shape, unet, ema, ema_unet, device)
+
+
+def _diverged(cfg: TrainConfig, out: Path, why: str) -> TrainingDiverged:
+    kept = _checkpoint_dirs(out)
+    advice = (f"--resume from the last checkpoint, {kept[-1]}, with a lower --lr, or start again with one" if kept
+              else "start again with a lower --lr")
+    return TrainingDiverged(f"training {cfg.size} on {cfg.dataset} at lr {cfg.lr:g}: {why}. {advice}")
 
 
 def _finish(cfg: TrainConfig, out: Path, num_classes: int, image_shape: tuple[int, int, int],

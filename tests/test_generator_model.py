@@ -23,7 +23,7 @@ from generator_service.ddpm.model import (
     save_generator,
 )
 from generator_service.ddpm.sampling import DdimSampler, ImageKey, SamplingConfig
-from generator_service.ddpm.training import TrainConfig, train_generator
+from generator_service.ddpm.training import TrainConfig, read_optimizer_state, train_generator
 
 
 @pytest.fixture(autouse=True)
@@ -99,6 +99,19 @@ def test_resumed_training_equals_an_uninterrupted_run(tmp_path: Path) -> None:
     assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["step-00000004"]
     with pytest.raises(ConfigError, match="trained with"):
         train_generator(_micro(tmp_path / "resumed", steps=6, resume=True, seed=1))
+
+
+def test_checkpoints_hold_no_pickle_and_older_pickled_optimizer_state_still_resumes(tmp_path: Path) -> None:
+    straight = train_generator(_micro(tmp_path / "straight", steps=4))
+    train_generator(_micro(tmp_path / "legacy", steps=2))
+    checkpoint = tmp_path / "legacy" / "checkpoints" / "step-00000002"
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["ema", "optimizer.safetensors", "state.json", "unet"]
+    # a checkpoint of the format before 2026-12-06: the same AdamW state, pickled by torch.save
+    state = read_optimizer_state(checkpoint)
+    torch.save(state, checkpoint / "optimizer.pt")
+    (checkpoint / "optimizer.safetensors").unlink()
+    resumed = train_generator(_micro(tmp_path / "legacy", steps=4, resume=True))
+    assert read_metadata(straight).model_id == read_metadata(resumed).model_id
 
 
 def test_train_command_writes_a_servable_folder_and_a_grid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from diffusers import UNet2DModel
 from diffusers.training_utils import EMAModel
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from fedsynth.config_schema import GENERATOR_TRAIN_LR
@@ -35,6 +37,8 @@ from generator_service.ddpm.sampling import DdimSampler, SamplingConfig, resolve
 
 log = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
+OPTIMIZER_FILE = "optimizer.safetensors"
+LEGACY_OPTIMIZER_FILE = "optimizer.pt"
 # Horizontal flips are label-preserving for natural images, not for digits.
 FLIP_DATASETS = frozenset({"cifar10", "cifar100"})
 
@@ -108,13 +112,37 @@ def _save_checkpoint(out: Path, step: int, unet: UNet2DModel, ema: EMAModel, ema
         unet.save_pretrained(folder / "unet", safe_serialization=True)
         ema.copy_to(ema_unet.parameters())
         ema_unet.save_pretrained(folder / "ema", safe_serialization=True)
-        torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+        save_optimizer_state(optimizer, folder)
         (folder / "state.json").write_text(json.dumps({"step": step, "identity": _identity(cfg)}))
 
     write_atomic(final, write)
     for older in _checkpoint_dirs(out):
         if older != final:
             shutil.rmtree(older, ignore_errors=True)
+
+
+def save_optimizer_state(optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """The AdamW state as safetensors (per-parameter tensors) and JSON (hyperparameters): no pickle."""
+    state = optimizer.state_dict()
+    tensors = {f"{index}.{name}": value.detach().cpu().contiguous()
+               for index, entry in state["state"].items() for name, value in entry.items()}
+    save_file(tensors, folder / OPTIMIZER_FILE, metadata={"param_groups": json.dumps(state["param_groups"])})
+
+
+def read_optimizer_state(folder: Path) -> dict[str, object]:
+    path = folder / OPTIMIZER_FILE
+    if not path.exists() and (folder / LEGACY_OPTIMIZER_FILE).exists():
+        # checkpoints written before 2026-12-06; fedsynth wrote them into the operator's own folder
+        return torch.load(folder / LEGACY_OPTIMIZER_FILE, weights_only=True)  # type: ignore[no-any-return]
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    with safe_open(path, framework="pt") as archive:
+        groups = json.loads(archive.metadata()["param_groups"])
+        for key in archive.keys():
+            index, name = key.split(".", 1)
+            state.setdefault(int(index), {})[name] = archive.get_tensor(key)
+    for group in groups:
+        group["betas"] = tuple(group["betas"])
+    return {"state": state, "param_groups": groups}
 
 
 def _read_unet(folder: Path) -> UNet2DModel:
@@ -130,7 +158,7 @@ def _load_checkpoint(path: Path, cfg: TrainConfig, unet: UNet2DModel, ema: EMAMo
     ema_weights = _read_unet(path / "ema")
     ema.shadow_params = [p.detach().clone().to(q.device) for p, q in zip(ema_weights.parameters(), unet.parameters())]
     ema.optimization_step = int(state["step"])
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    optimizer.load_state_dict(read_optimizer_state(path))
     return int(state["step"])
 
 

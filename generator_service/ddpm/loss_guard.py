@@ -11,7 +11,7 @@ from fedsynth.errors import FedsynthError
 # (docs/generator.md: `half` at lr 2e-3 fell to 0.14, then saved weights that scored 1.01).
 COLLAPSED_LOSS = 0.9
 SMOOTHING = 0.98
-# Healthy runs measured here are below 0.2 by step 200 (tiny, small, half); a run still at ~1 this long after
+# Healthy runs measured here are below 0.2 by step 200 (tiny and half on digits); a run still at ~1 this long after
 # warmup is not learning, and hours of GPU time should not wait for the end to say so.
 STALLED_AFTER_STEPS = 1000
 

@@ -34,10 +34,16 @@ log = logging.getLogger(__name__)
 CANDIDATE_STRIDE = 1 << 32  # requested indices stay below 2^32, so no candidate is another image's first draw
 # An image may use its candidates a = 0 .. MAX_CANDIDATES - 1, its own whatever else is batched with it: at acceptance
 # rate p it is unservable with probability (1 - p)^220 (p = 10%: 1e-10, 5%: 1e-5, 2%: 1%), and an impossible threshold
-# costs at most 220 candidates per image, 220 x max_batch per sampling batch.
+# costs at most 220 candidates per image.
 MAX_CANDIDATES = 220
 JUDGE_SEED = 0  # `fedsynth generator evaluate`'s default --seed: the same cached judge
 JUDGE_ROWS = 64  # fixed whatever --max-batch, so that servers with other batch sizes judge alike
+# `--filter-batches`: the batcher hands the filter this many backend batches of keys at once. A padded backend batch
+# costs the same however few rows are pending, so the images a batch rejects are best retried beside fresh keys, not
+# in a batch of their own: at 63% acceptance, one batch of keys per call costs about 2.8 backend batches per batch
+# served, eight about 1.8, and 1 / 0.63 = 1.6 is the floor (docs/generator.md, "Quality filter"). The price: a
+# request's first images wait for up to eight batches' candidates, not one.
+BATCHES_PER_CALL = 8
 
 
 class JudgeScorer:

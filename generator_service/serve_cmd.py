@@ -24,7 +24,7 @@ from fedsynth.v1 import generator_pb2_grpc
 from generator_service.backends import BACKENDS, build_backend, get_backend
 from generator_service.batcher import Batcher
 from generator_service.metrics import GeneratorMetrics, serve_registry
-from generator_service.quality_filter import load_quality_filter
+from generator_service.quality_filter import BATCHES_PER_CALL, load_quality_filter
 from generator_service.servicer import GeneratorServicer, ServedModel
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ class ServeConfig:
     grace_s: float = 5.0
     min_confidence: float = 0.0  # the quality filter: serve only images the judge gives >= this for their class; 0 = off
     judge_cache: Path | None = None  # None: $FEDSYNTH_CACHE/judges (as `fedsynth generator evaluate`)
+    filter_batches: int = BATCHES_PER_CALL  # the quality filter takes this many --max-batch of keys at once
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -95,7 +96,7 @@ class ServeConfig:
             raise ConfigError(f"--seed must be >= 0, got {self.seed}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
-        for name in ("max_batch", "max_request_images", "max_concurrent_rpcs", "queue_limit"):
+        for name in ("max_batch", "max_request_images", "max_concurrent_rpcs", "queue_limit", "filter_batches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
         if self.ddim_steps is not None and not 1 <= self.ddim_steps <= 1000:
@@ -159,10 +160,11 @@ class GeneratorServer:
                                           metrics=self.metrics)
         self.metrics.filter_min_confidence.set(self.config.min_confidence)
         served = backend.description
-        self.batcher = Batcher(backend.sample, max_batch=self.config.max_batch,
+        keys_per_call = self.config.max_batch * (self.config.filter_batches if self.config.min_confidence > 0 else 1)
+        self.batcher = Batcher(backend.sample, max_batch=keys_per_call,
                                max_wait_s=self.config.max_wait_ms / 1000.0, queue_limit=self.config.queue_limit,
                                metrics=self.metrics)
-        model = ServedModel(backend, self.batcher)
+        model = ServedModel(backend, self.batcher, max_batch=self.config.max_batch)
         self.servicer.attach(model)
         self.metrics.model_load_seconds.set(time.perf_counter() - started)
         self.metrics.info.info({"backend": served.backend, "size": served.size, "model_id": served.model_id,
@@ -244,6 +246,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--judge-cache", type=Path, default=None,
                         help="with --min-confidence: folder of cached judges (default $FEDSYNTH_CACHE/judges or "
                              "~/.cache/fedsynth/judges)")
+    parser.add_argument("--filter-batches", type=int, default=d.filter_batches,
+                        help="with --min-confidence: the filter takes this many --max-batch of keys at once, so the "
+                             "images a batch rejects are retried beside fresh ones, not in a batch of their own; more "
+                             "is cheaper, and delays a request's first images (default %(default)s)")
     parser.add_argument("--grace", type=float, default=d.grace_s, help="seconds in-flight RPCs get on SIGTERM (default %(default)s)")
     tls.add_tls_arguments(parser, server=True)
 
@@ -259,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_request_images=args.max_request_images,
         max_concurrent_rpcs=args.max_concurrent_rpcs, queue_limit=args.queue_limit, device=args.device,
         ddim_steps=args.ddim_steps, guidance=args.guidance, threads=args.threads, grace_s=args.grace,
-        min_confidence=args.min_confidence, judge_cache=args.judge_cache,
+        min_confidence=args.min_confidence, judge_cache=args.judge_cache, filter_batches=args.filter_batches,
     )
     server = GeneratorServer(config, registry=REGISTRY, security=security)
     stopped = grpcutil.stop_on_signals(server.server, server.health, grace_s=config.grace_s)

@@ -32,6 +32,7 @@ class ServedModel:
 
     backend: GeneratorBackend
     batcher: Batcher
+    max_batch: int  # the backend's sampling batch (the batcher's may be larger: the quality filter's keys per call)
 
     @property
     def description(self) -> BackendDescription:
@@ -107,7 +108,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             num_classes=meta.num_classes, channels=channels, height=height, width=width, model_id=meta.model_id,
             size=meta.size, parameters=meta.parameters, backend=meta.backend, device=meta.device,
             dtype=meta.dtype, dataset=meta.dataset, ddim_steps=meta.ddim_steps, guidance=meta.guidance,
-            max_request_images=self._max_request_images, max_batch=model.batcher.max_batch,
+            max_request_images=self._max_request_images, max_batch=model.max_batch,
         )
 
     def Generate(self, request: generator_pb2.GenerateRequest,

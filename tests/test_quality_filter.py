@@ -35,7 +35,7 @@ from generator_service.ddpm.sampling import ImageKey
 from generator_service.metrics import GeneratorMetrics
 from generator_service.evaluation.judge import STALE_SCRATCH_S, load_or_train_judge, remove_stale_scratch
 from generator_service.batcher import Batcher
-from generator_service.quality_filter import MAX_CANDIDATES, JudgeScorer, QualityFilter
+from generator_service.quality_filter import BATCHES_PER_CALL, MAX_CANDIDATES, JudgeScorer, QualityFilter
 from generator_service.serve_cmd import GeneratorServer, ServeConfig
 
 HOLDOUT = {"backend": "holdout", "dataset": "digits", "holdout_fraction": 0.2, "seed": 0}
@@ -111,6 +111,24 @@ def test_the_same_bytes_however_the_images_are_batched() -> None:
     assert whole.tobytes() == b"".join(_first_accepted(key, 0.7) for key in keys)
     offsets = small.sample(_keys([0, 3], offset=4))  # offsets resume the same images
     assert offsets.tobytes() == whole[13:16].tobytes()
+
+
+def test_rejected_images_retried_beside_fresh_keys_cost_fewer_backend_batches_for_the_same_bytes() -> None:
+    """What --filter-batches buys: keys handed over 8 batches at a time fill the backend's padded batches with
+    fresh images where one batch at a time fills them with more candidates of the few it rejected."""
+    keys = _keys([200, 200], seed=1)  # classes 0 and 1: the stand-in judge accepts about 37% at 0.63
+    drawn = {}
+    for keys_per_call in (16, 16 * BATCHES_PER_CALL):
+        filtered, inner = _filter(0.63, max_batch=16)
+        calls: list[int] = []
+        sample = inner.sample
+        inner.sample = lambda batch: calls.append(len(batch)) or sample(batch)  # type: ignore[method-assign]
+        images = np.concatenate([filtered.sample(keys[i : i + keys_per_call]) for i in range(0, len(keys), keys_per_call)])
+        assert max(calls) <= 16
+        drawn[keys_per_call] = (len(calls), images.tobytes())
+    (one_calls, one_bytes), (eight_calls, eight_bytes) = drawn[16], drawn[16 * BATCHES_PER_CALL]
+    assert one_bytes == eight_bytes
+    assert eight_calls < 0.8 * one_calls, (one_calls, eight_calls)
 
 
 def test_spare_rows_draw_the_next_candidates_and_every_candidate_is_counted() -> None:
@@ -256,6 +274,7 @@ def test_exact_counts_the_same_bytes_in_other_batches_and_the_cost_reported(
     assert np.bincount(labels, minlength=10).tolist() == counts
     info = GeneratorInfo.fetch(channel, timeout_s=10)
     assert info.model_id.startswith("holdout-digits-f0.2-s0-") and "-q0.9-j" in info.model_id
+    assert (info.max_batch, server.batcher.max_batch) == (16, 16 * BATCHES_PER_CALL)  # the filter takes 8 batches at once
 
     other = _server(judges, max_batch=3)  # the judge now comes from the cache
     port = other.start()
@@ -420,6 +439,8 @@ def test_serve_refuses_a_bad_min_confidence(value: float) -> None:
     with pytest.raises(ConfigError, match="--min-confidence must be in"):
         ServeConfig(**HOLDOUT, min_confidence=value)  # type: ignore[arg-type]
     ServeConfig(model=Path("m"), data_dir=Path("d"), min_confidence=0.5)  # the judge's data: ddpm takes it, filtering
+    with pytest.raises(ConfigError, match="--filter-batches must be >= 1, got 0"):
+        ServeConfig(**HOLDOUT, min_confidence=0.5, filter_batches=0)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="the quality filter reads it with --min-confidence > 0"):
         ServeConfig(model=Path("m"), data_dir=Path("d"))
     parser = argparse.ArgumentParser()

@@ -1,11 +1,14 @@
 """What the quality filter (`--min-confidence`) costs: acceptance rate and device-seconds by threshold and backend.
 
-    python benchmarks/quality_filter_cost.py [--per-class 100] [--thresholds 0 0.5 0.9] [--ddpm DIR] [--threads 1]
+    python benchmarks/quality_filter_cost.py [--per-class 100] [--thresholds 0 0.5 0.9] [--ddpm DIR] [--threads 1] \
+        [--filter-batches 1 8]
 
-For each backend (holdout on digits; a trained digits ddpm folder with --ddpm) and threshold it serves one request of
+For each backend (holdout on digits; a trained ddpm folder with --ddpm) and threshold it serves one request of
 --per-class images of every class through the public in-process server, and reads the server's own counters:
 candidates drawn, accepted, rejected, fedsynth_generator_device_seconds_total (every candidate and the judge) and the
 share spent on candidates not served (rejected, or spare). The judge is `fedsynth generator evaluate`'s (cached in $FEDSYNTH_CACHE/judges).
+Each filtered setting runs once per --filter-batches value (backend batches of keys the filter takes at once), side by
+side: the served bytes are the same, the candidates drawn and the device-seconds are not.
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ def _total(registry: CollectorRegistry, name: str) -> float:
     return sum(s.value for metric in registry.collect() for s in metric.samples if s.name == name)
 
 
-def measure(settings: dict[str, Any], min_confidence: float, per_class: int, threads: int) -> dict[str, float]:
+def measure(settings: dict[str, Any], min_confidence: float, per_class: int, threads: int,
+            filter_batches: int) -> dict[str, float]:
     registry = CollectorRegistry()
     server = create_server(ServeConfig(**settings, min_confidence=min_confidence, threads=threads, port=0,
-                                       metrics_port=-1, max_batch=64), registry=registry)
+                                       metrics_port=-1, max_batch=64, filter_batches=filter_batches), registry=registry)
     port = server.start()
     try:
         server.load()
@@ -59,30 +63,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--per-class", type=int, default=100)
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.0, 0.5, 0.9])
-    parser.add_argument("--ddpm", type=Path, default=None, help="a trained digits ddpm folder (e.g. the launcher's "
+    parser.add_argument("--ddpm", type=Path, default=None, help="a trained ddpm folder (e.g. the launcher's "
                         "$FEDSYNTH_CACHE/generators/digits-tiny-1500steps-seed0)")
+    parser.add_argument("--data-dir", type=Path, default=None, help="the --ddpm model's dataset folder (cifar10, "
+                        "cifar100, npz), from whose training split the judge learns")
     parser.add_argument("--ddim-steps", type=int, default=10)
     parser.add_argument("--guidance", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--filter-batches", type=int, nargs="+", default=[1, 8])
     args = parser.parse_args()
     backends: dict[str, dict[str, Any]] = {
         "holdout digits (f 0.2)": {"backend": "holdout", "dataset": "digits", "holdout_fraction": 0.2, "seed": 0}}
     if args.ddpm is not None:
         backends[f"ddpm {args.ddpm.name} ({args.ddim_steps} steps, w {args.guidance:g})"] = {
-            "backend": "ddpm", "model": args.ddpm, "ddim_steps": args.ddim_steps, "guidance": args.guidance}
+            "backend": "ddpm", "model": args.ddpm, "ddim_steps": args.ddim_steps, "guidance": args.guidance,
+            "data_dir": args.data_dir}
     print(f"{args.per_class} images per class, {CLASSES} classes, one request, --threads {args.threads}\n")
-    print("| backend | min_confidence | candidates drawn | rejected | acceptance rate | device-s | of which unserved "
-          "| judge-s | device-s vs unfiltered |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| backend | min_confidence | filter batches | candidates drawn | per image served | rejected "
+          "| acceptance rate | device-s | of which unserved | judge-s | device-s vs unfiltered |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, settings in backends.items():
         base = None
         for threshold in args.thresholds:
-            m = measure(settings, threshold, args.per_class, args.threads)
-            base = m["device_s"] if base is None else base
-            print(f"| {name} | {threshold:g} | {m['candidates']:.0f} | {m['rejected']:.0f} "
-                  f"| {m['accepted'] / (m['accepted'] + m['rejected']):.1%} "
-                  f"| {m['device_s']:.2f} | {m['unserved_s']:.2f} | {m['judge_s']:.2f} "
-                  f"| {m['device_s'] / base:.2f}x |", flush=True)
+            for filter_batches in args.filter_batches if threshold > 0 else args.filter_batches[:1]:
+                m = measure(settings, threshold, args.per_class, args.threads, filter_batches)
+                base = m["device_s"] if base is None else base
+                print(f"| {name} | {threshold:g} | {filter_batches if threshold > 0 else '-'} | {m['candidates']:.0f} "
+                      f"| {m['candidates'] / (args.per_class * CLASSES):.2f} | {m['rejected']:.0f} "
+                      f"| {m['accepted'] / (m['accepted'] + m['rejected']):.1%} "
+                      f"| {m['device_s']:.2f} | {m['unserved_s']:.2f} | {m['judge_s']:.2f} "
+                      f"| {m['device_s'] / base:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ def _total(registry: CollectorRegistry, name: str) -> float:
 def measure(settings: dict[str, Any], min_confidence: float, per_class: int, threads: int,
             filter_batches: int) -> dict[str, float]:
     registry = CollectorRegistry()
+    if not min_confidence and settings["backend"] == "ddpm":  # ddpm reads --data-dir only for the filter's judge
+        settings = {k: v for k, v in settings.items() if k != "data_dir"}
     server = create_server(ServeConfig(**settings, min_confidence=min_confidence, threads=threads, port=0,
                                        metrics_port=-1, max_batch=64, filter_batches=filter_batches), registry=registry)
     port = server.start()

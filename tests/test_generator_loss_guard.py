@@ -6,7 +6,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from fedsynth.cli import main as fedsynth_main
 from generator_service.ddpm.loss_guard import STALLED_AFTER_STEPS, LossGuard, TrainingDiverged
@@ -58,7 +57,6 @@ def test_a_non_finite_loss_stops_at_once_even_in_warmup() -> None:
 
 def test_train_command_stops_a_diverging_run_without_saving_broken_weights(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    torch.set_num_threads(1)
     out = tmp_path / "gen"
     code = fedsynth_main(["generator", "train", "--dataset", "digits", "--size", "tiny", "--steps", "6",
                           "--batch-size", "8", "--lr", "1e20", "--warmup-steps", "1", "--checkpoint-every", "1",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fedsynth.errors import FedsynthError
 
@@ -26,7 +26,7 @@ class LossGuard:
 
     warmup_steps: int
     smoothed: float | None = None
-    lowest: float = field(default=math.inf)
+    lowest: float = math.inf
 
     def check(self, step: int, loss: float) -> str | None:
         if not math.isfinite(loss):

@@ -63,7 +63,8 @@ def build_summary(experiment: Experiment, seeds: list[int], out_dir: Path, outco
         ok = [r for r in runs if r["arm"] == arm.name and r["status"] == "ok"]
         reached = [r["rounds_to_threshold"] for r in ok if r["rounds_to_threshold"] is not None]
         arms.append({
-            "name": arm.name, "role": arm.role, "beta": arm.beta, "overrides": list(arm.overrides),
+            "name": arm.name, "role": arm.role, "policy": experiment.arm_config(arm, seeds[0], out_dir).generation.policy,
+            "beta": arm.beta, "overrides": list(arm.overrides),
             "runs_ok": len(ok), "runs": sum(arm.runs_on(seed) for seed in seeds),
             "accuracy": summarize([r["last_n_accuracy"] for r in ok], s.confidence).to_dict(),
             "budget": _mean([r["budget"] for r in ok]),
@@ -175,6 +176,18 @@ def _zoom_percent(ax, values: list[float]) -> None:  # type: ignore[no-untyped-d
         ax.set_ylim(max(0.0, min(values) - 0.15 * span - 2), min(100.0, max(values) + 0.15 * span + 2))
 
 
+# One colour per generation.policy (fedsynth.config_schema.POLICIES), so an arm without a role is drawn as what it runs.
+POLICY_COLOURS = {"fedeas": "#dd8452", "uniform": "#4c72b0", "missing": "#55a868", "full": "#8172b3", "none": "#8c8c8c"}
+
+
+def arm_policy(arm: dict[str, Any]) -> str:
+    """The arm's generation.policy; summaries written before it was recorded fall back to the role's policy."""
+    if arm.get("policy"):
+        return str(arm["policy"])
+    role = arm.get("role")
+    return {"fedavg": "none", "sdafl": "none"}.get(role, role) if role else "unknown"
+
+
 def plot_accuracy_bars(summary: dict[str, Any], path: Path) -> Path:
     plt = pyplot()
     arms = summary["arms"]
@@ -185,13 +198,18 @@ def plot_accuracy_bars(summary: dict[str, Any], path: Path) -> Path:
         if acc["mean"] is None:
             continue
         err = None if acc["ci_low"] is None else [[100 * (acc["mean"] - acc["ci_low"])], [100 * (acc["ci_high"] - acc["mean"])]]
-        ax.bar(i, 100 * acc["mean"], yerr=err, capsize=5, color="#4c72b0" if a["role"] != "fedeas" else "#dd8452", alpha=0.85)
+        policy = arm_policy(a)
+        ax.bar(i, 100 * acc["mean"], yerr=err, capsize=5, color=POLICY_COLOURS.get(policy, "#c44e52"), alpha=0.85, label=f"policy {policy}")
         ax.annotate(f"{100 * acc['mean']:.2f}", (i, 100 * acc["mean"]), xytext=(14, 3), textcoords="offset points", fontsize=8)
         seeds = [r["last_n_accuracy"] for r in summary["runs"] if r["arm"] == a["name"] and r["status"] == "ok"]
         ax.scatter([i] * len(seeds), [100 * v for v in seeds], color="black", s=12, zorder=3)
         shown += [100 * v for v in seeds] + [100 * v for v in (acc["ci_low"], acc["ci_high"]) if v is not None]
     ax.set_xticks(range(len(arms)), [f"{a['name']}\n{_num(a['budget'], ',.0f')} img" for a in arms], fontsize=8)
     _zoom_percent(ax, shown)
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    if len(unique) > 1:
+        ax.legend(unique.values(), unique.keys(), fontsize=8)
     ax.set_ylabel(f"accuracy (%), mean of last {summary['last_n']} rounds")
     ax.set_title(f"Accuracy per arm: mean, {round(100 * summary['confidence'])}% t-interval, seeds as dots")
     return save_figure(fig, path)

@@ -13,7 +13,7 @@ import pytest
 
 from deploy.experiment import parse_seeds, previous_run
 from deploy.experiment_spec import load_experiment, write_run_toml
-from deploy.experiment_summary import build_summary, run_metrics
+from deploy.experiment_summary import POLICY_COLOURS, arm_policy, build_summary, run_metrics
 from deploy.stats import paired_difference, summarize, t_critical
 from fedsynth.config import from_dict, load_config
 from fedsynth.errors import ConfigError
@@ -145,6 +145,21 @@ def test_ablation_arms_set_the_fedeas_rule_and_write_it_exactly(tmp_path: Path) 
     write_run_toml(cfg, tmp_path / "config.toml")
     assert "entropy_factor = false" in (tmp_path / "config.toml").read_text()
     assert load_config(tmp_path / "config.toml") == cfg
+
+
+def test_the_summary_records_each_arms_policy_and_draws_the_bars_by_it(tmp_path: Path) -> None:
+    # an arm without a role (here a filtered FedEAS arm) is still drawn as the policy it runs, not as a baseline
+    spec = write(tmp_path / "e.toml", TINY_BASE + '[[arms]]\nname = "fedavg"\n[[arms]]\nname = "fedeas"\nset = ["generation.policy=fedeas"]\n'
+                 '[[arms]]\nname = "fedeas-filter"\nset = ["generation.policy=fedeas", "generation.min_confidence=0.3"]\n')
+    experiment = load_experiment(spec)
+    outcomes = {(arm.name, 0): {"status": "failed", "error": "not run"} for arm in experiment.arms}
+    summary = build_summary(experiment, [0], tmp_path, outcomes)
+    assert [(a["name"], a["role"], a["policy"]) for a in summary["arms"]] == [
+        ("fedavg", "fedavg", "none"), ("fedeas", "fedeas", "fedeas"), ("fedeas-filter", None, "fedeas")]
+    bars = {name: POLICY_COLOURS[arm_policy(a)] for a in summary["arms"] for name in [a["name"]]}
+    assert bars["fedeas-filter"] == bars["fedeas"] != bars["fedavg"]
+    # a summary.json written before the policy was recorded falls back to the role's policy
+    assert [arm_policy({"role": role}) for role in ("sdafl", "uniform", None)] == ["none", "uniform", "unknown"]
 
 
 def test_a_run_from_before_the_ablation_keys_is_reused_at_the_paper_rule(tmp_path: Path) -> None:

@@ -63,7 +63,7 @@ def build_summary(experiment: Experiment, seeds: list[int], out_dir: Path, outco
         ok = [r for r in runs if r["arm"] == arm.name and r["status"] == "ok"]
         reached = [r["rounds_to_threshold"] for r in ok if r["rounds_to_threshold"] is not None]
         arms.append({
-            "name": arm.name, "role": arm.role, "policy": experiment.arm_config(arm, seeds[0], out_dir).generation.policy,
+            "name": arm.name, "role": arm.role, "policy": experiment.arm_config(arm, 0, out_dir).generation.policy,  # the same on every seed
             "beta": arm.beta, "overrides": list(arm.overrides),
             "runs_ok": len(ok), "runs": sum(arm.runs_on(seed) for seed in seeds),
             "accuracy": summarize([r["last_n_accuracy"] for r in ok], s.confidence).to_dict(),

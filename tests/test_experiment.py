@@ -156,7 +156,7 @@ def test_the_summary_records_each_arms_policy_and_draws_the_bars_by_it(tmp_path:
     summary = build_summary(experiment, [0], tmp_path, outcomes)
     assert [(a["name"], a["role"], a["policy"]) for a in summary["arms"]] == [
         ("fedavg", "fedavg", "none"), ("fedeas", "fedeas", "fedeas"), ("fedeas-filter", None, "fedeas")]
-    bars = {name: POLICY_COLOURS[arm_policy(a)] for a in summary["arms"] for name in [a["name"]]}
+    bars = {a["name"]: POLICY_COLOURS[arm_policy(a)] for a in summary["arms"]}
     assert bars["fedeas-filter"] == bars["fedeas"] != bars["fedavg"]
     # a summary.json written before the policy was recorded falls back to the role's policy
     assert [arm_policy({"role": role}) for role in ("sdafl", "uniform", None)] == ["none", "uniform", "unknown"]

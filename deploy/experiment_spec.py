@@ -23,6 +23,11 @@ ARM_KEYS = {"name", "role", "set", "timeout_s", "seeds", "compare"}
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
+def role_policy(role: str) -> str:
+    """The generation.policy an arm of this role runs (FedAvg and SDA-FL allocate no images)."""
+    return {"fedavg": "none", "sdafl": "none"}.get(role, role)
+
+
 @dataclass(frozen=True)
 class Settings:
     name: str = "experiment"
@@ -150,7 +155,7 @@ def _check_role(arm: Arm, cfg: RunConfig) -> None:
     if arm.role is None:
         return
     policy, algorithm = cfg.generation.policy, cfg.train.algorithm
-    expected_policy = {"fedavg": "none", "sdafl": "none"}.get(arm.role, arm.role)
+    expected_policy = role_policy(arm.role)
     if policy != expected_policy or (arm.role == "sdafl") != (algorithm == "sdafl"):
         raise ConfigError(
             f"arm {arm.name!r} has role {arm.role!r} but runs generation.policy = {policy!r} with train.algorithm = {algorithm!r}; "

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deploy.report import PHASES
+from deploy.experiment_spec import role_policy
 from deploy.report_render import PLOTS, pyplot, read_json_object, save_figure
 from deploy.stats import paired_difference, summarize
 from fedsynth.errors import ConfigError
@@ -185,7 +186,7 @@ def arm_policy(arm: dict[str, Any]) -> str:
     if arm.get("policy"):
         return str(arm["policy"])
     role = arm.get("role")
-    return {"fedavg": "none", "sdafl": "none"}.get(role, role) if role else "unknown"
+    return role_policy(role) if role else "unknown"
 
 
 def plot_accuracy_bars(summary: dict[str, Any], path: Path) -> Path:

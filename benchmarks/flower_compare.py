@@ -4,7 +4,7 @@ Our runtime two ways and Flower's two, same machine, same invocation, every end 
 
 * ours: a real `fedsynth coordinator` (ResNet-18, a tiny CIFAR-shaped npz dataset, `train.max_steps=0`) and N real
   `fedsynth client` processes, one client each; the models travel as chunks on the gRPC streams (the default).
-* ours-tcp: the same with `runtime.data_plane = "tcp"` (fedsynth/data_plane.py: raw bytes beside gRPC).
+* ours-tcp: the same with `runtime.data_plane = "tcp"` (fedsynth/wire/data_plane.py: raw bytes beside gRPC).
 * flower-legacy: `flwr.server.start_server` with FedAvg seeded with the same arrays (the numpy float32 state_dict of
   our `build_model("resnet18", ...)`) and N `flwr.client.start_client` processes whose NumPyClient.fit returns the
   received arrays unchanged; no Flower evaluation.
@@ -309,7 +309,7 @@ def run_ours(folder: Path, clients: int, rounds: int, model: str, deadline_s: fl
 
 
 def model_arrays(name: str) -> list[np.ndarray]:
-    from fedsynth.models import build_model
+    from fedsynth.learning.models import build_model
 
     model = build_model(name, num_classes=10, in_channels=3, image_size=32)
     return [t.detach().cpu().numpy().astype(np.float32) for t in model.state_dict().values()]

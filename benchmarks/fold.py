@@ -1,6 +1,6 @@
 """Folding one ResNet-18 update (float32, as received) into the coordinator's float64 sum: one torch._foreach_add_ of
 the update as it is, against fedsynth's `fold` through a reused float64 scratch, with malloc tuned as in the
-coordinator (fedsynth.allocator: blocks of 1 MiB and more are fresh mappings) and as glibc leaves it.
+coordinator (fedsynth.process.allocator: blocks of 1 MiB and more are fresh mappings) and as glibc leaves it.
 
 torch upcasts each float32 tensor into a temporary the size of the tensor before adding it; under the coordinator's
 tuning every such temporary is a fresh mapping whose pages all fault on first write. Both ways give the same bits
@@ -23,17 +23,17 @@ MALLOC = ("tuned", "glibc default")
 
 
 def measure(malloc: str, repeats: int) -> dict[str, float]:
-    from fedsynth import allocator
+    from fedsynth.process import allocator
 
     if malloc == "tuned":
         allocator.tune_for_large_buffers()
     import torch
 
-    from fedsynth import codec
+    from fedsynth.wire import codec
     from fedsynth.algorithms import snapshot_state
     from fedsynth.algorithms.base import FOLD_SCRATCH_ELEMENTS, float64_zeros, fold, fold_scratches
-    from fedsynth.models import build_model
-    from fedsynth.tensor_buffer import decode_views, encode_to_buffer
+    from fedsynth.learning.models import build_model
+    from fedsynth.wire.tensor_buffer import decode_views, encode_to_buffer
 
     torch.set_num_threads(1)  # runtime.torch_threads' default
     state = snapshot_state(build_model("resnet18", num_classes=10, in_channels=3, image_size=32))

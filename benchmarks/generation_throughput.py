@@ -27,9 +27,9 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from deploy.processes import fedsynth_command
-from fedsynth import grpcutil
-from fedsynth.generator_client import GeneratorInfo, fetch_images
-from fedsynth.generator_names import DEVICE_SECONDS_TOTAL
+from fedsynth.wire import grpcutil
+from fedsynth.generation.generator_client import GeneratorInfo, fetch_images
+from fedsynth.generation.generator_names import DEVICE_SECONDS_TOTAL
 from generator_service import GeneratorServer, ServeConfig, create_server
 
 GUIDANCE = 1.0

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 import torchvision
 
-from fedsynth import codec
+from fedsynth.wire import codec
 from fedsynth.algorithms.base import Aggregator
-from fedsynth.tensor_buffer import decode_views, encode_to_buffer
+from fedsynth.wire.tensor_buffer import decode_views, encode_to_buffer
 
 
 def check_tensor_by_tensor(received: dict[str, torch.Tensor], layout: codec.Layout) -> None:

@@ -3,7 +3,7 @@
 The round loop writes a checkpoint after every round whose record holds the summary of every round so far (at K = 100
 with full participation each summary lists 100 participants and 100 sampled ids). Encoding all of it again each round
 costs O(rounds) a round with the GIL held, beside the next round's transfers; the coordinator's checkpoint splices in
-entries encoded once (fedsynth.runtime.dumps_with_encoded_list). Summaries shaped like the round driver's, seconds per
+entries encoded once (fedsynth.process.runtime.dumps_with_encoded_list). Summaries shaped like the round driver's, seconds per
 checkpoint record (median of 5):
 
     python benchmarks/history_json.py --clients 100 --rounds 40 200 1000
@@ -17,7 +17,7 @@ import random
 import statistics
 import time
 
-from fedsynth.runtime import dumps_with_encoded_list
+from fedsynth.process.runtime import dumps_with_encoded_list
 
 
 def summary(number: int, clients: int, rng: random.Random) -> dict[str, object]:

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from deploy.processes import Child, ProcessGroup, fedsynth_command, wait_for_file
-from fedsynth import grpcutil
+from fedsynth.wire import grpcutil
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 

@@ -22,8 +22,8 @@ from fedsynth.allocation import (
     select_beta,
     synthetic_fraction,
 )
-from fedsynth.data import load_labels
-from fedsynth.partition import label_counts, partition
+from fedsynth.learning.data import load_labels
+from fedsynth.learning.partition import label_counts, partition
 
 # (name, how it is printed, the paper's figure for CIFAR-10, K = 20, alpha = 0.1, beta = 12)
 METRICS: list[tuple[str, Callable[[float], str], str]] = [

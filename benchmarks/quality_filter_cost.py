@@ -19,9 +19,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from fedsynth import grpcutil
-from fedsynth.generator_client import fetch_images
-from fedsynth.generator_names import (
+from fedsynth.wire import grpcutil
+from fedsynth.generation.generator_client import fetch_images
+from fedsynth.generation.generator_names import (
     DEVICE_SECONDS_TOTAL,
     FILTER_ACCEPTED_TOTAL,
     FILTER_CANDIDATES_TOTAL,

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fedsynth.training import LocalTrainConfig
+from fedsynth.learning.training import LocalTrainConfig
 from local_federation import cifar_shaped_folder, run_local_federation
 
 

@@ -1,7 +1,7 @@
 """ResNet-18's weights (~45 MB) to one client and back through the coordinator's real gRPC path, beside raw TCP.
 
 A real `fedsynth coordinator` process (ResNet-18, CIFAR-shaped data, one client) pushes each round's global
-model; this script is the client, on the real client's path (fedsynth.transfer, fedsynth.tensor_buffer): it
+model; this script is the client, on the real client's path (fedsynth.wire.transfer, fedsynth.wire.tensor_buffer): it
 receives the task over Subscribe into one buffer, hashing as chunks arrive, decodes tensors as views of it, and
 sends the same weights straight back with SubmitUpdate ("training off"), which the coordinator verifies,
 decodes, validates and folds into its aggregate. The raw baseline sends the same bytes to an echo process
@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from deploy.processes import ProcessGroup, fedsynth_command, wait_for_file
-from fedsynth import codec, data_plane, grpcutil
-from fedsynth.raw_messages import submit_update_call
-from fedsynth.tensor_buffer import decode_views, encode_parts, encode_to_buffer
-from fedsynth.transfer import chunk_messages, describe_buffer, receive_into
+from fedsynth.wire import codec, data_plane, grpcutil
+from fedsynth.wire.raw_messages import submit_update_call
+from fedsynth.wire.tensor_buffer import decode_views, encode_parts, encode_to_buffer
+from fedsynth.wire.transfer import chunk_messages, describe_buffer, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 from local_federation import cifar_shaped_folder
@@ -218,7 +218,7 @@ def main() -> None:
             group.stop_all(grace_s=5.0)
 
     from fedsynth.algorithms import snapshot_state
-    from fedsynth.models import build_model
+    from fedsynth.learning.models import build_model
 
     weights = codec.encode(codec.join_prefixed(model=snapshot_state(build_model("resnet18", num_classes=10, in_channels=3, image_size=32))))
     raw = statistics.median(raw_tcp_round_trips(weights, args.rounds))

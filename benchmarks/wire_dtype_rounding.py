@@ -19,8 +19,8 @@ import torch
 
 from fedsynth.algorithms import get_algorithm, snapshot_state
 from fedsynth.algorithms.base import Aggregator
-from fedsynth.models import build_model
-from fedsynth.training import LocalTrainConfig, TrainData
+from fedsynth.learning.models import build_model
+from fedsynth.learning.training import LocalTrainConfig, TrainData
 
 StateDict = dict[str, torch.Tensor]
 

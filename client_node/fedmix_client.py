@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from fedsynth import codec, grpcutil
+from fedsynth.wire import codec, grpcutil
 from fedsynth.errors import WireError
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
@@ -60,6 +60,6 @@ def pool_from_group(group: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch
         raise WireError(f"the task's mean group must hold images, labels and digest, got {sorted(group)}")
     if images.dtype != torch.float32 or labels.dtype != torch.float32 or images.ndim != 4 or labels.ndim != 2 or len(images) != len(labels):
         raise WireError(f"pooled mean data of {images.dtype} {tuple(images.shape)} and {labels.dtype} {tuple(labels.shape)}")
-    # The same affine map as fedsynth.training.images_to_tensor: the mean of scaled images is the scaled mean.
+    # The same affine map as fedsynth.learning.training.images_to_tensor: the mean of scaled images is the scaled mean.
     x = images.permute(0, 3, 1, 2).contiguous().div(127.5).sub(1.0)
     return x, labels.clone(), bytes(digest.tolist()).hex()  # kept all run: not a view of the task's buffer

@@ -12,11 +12,12 @@ import torch
 
 from client_node.metrics import ClientMetrics
 from client_node.node import NodeOptions, run_clients
-from fedsynth import lifetime, tls
+from fedsynth.process import lifetime
+from fedsynth.wire import tls
 from fedsynth.config import generator_addresses
 from fedsynth.errors import ConfigError
-from fedsynth.metrics import add_metrics_arguments, linger_for_final_scrape, serve_metrics_from_args
-from fedsynth.runtime import setup_logging
+from fedsynth.process.metrics import add_metrics_arguments, linger_for_final_scrape, serve_metrics_from_args
+from fedsynth.process.runtime import setup_logging
 
 log = logging.getLogger("client")
 

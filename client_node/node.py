@@ -19,15 +19,15 @@ from client_node.heartbeats import send_heartbeats
 from client_node.metrics import ClientMetrics
 from client_node.sdafl_client import ensure_samples, upload
 from client_node.synthesis import SyntheticSet, fedeas_total, synthesize
-from fedsynth import codec, data_plane, grpcutil, wire_dtype
+from fedsynth.wire import codec, data_plane, grpcutil, wire_dtype
 from fedsynth.assembly import algorithm_for, client_seed, client_shard, local_train_config, model_for, round_generator
 from fedsynth.config import RunConfig, from_json
 from fedsynth.errors import FedsynthError, StopRequested, WireError
-from fedsynth.raw_messages import submit_update_call
-from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_OK
-from fedsynth.tensor_buffer import decode_views, encode_parts, encode_to_buffer
-from fedsynth.training import TrainData, images_to_tensor
-from fedsynth.transfer import chunk_messages, describe_buffer, receive_inline, receive_into
+from fedsynth.wire.raw_messages import submit_update_call
+from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_OK
+from fedsynth.wire.tensor_buffer import decode_views, encode_parts, encode_to_buffer
+from fedsynth.learning.training import TrainData, images_to_tensor
+from fedsynth.wire.transfer import chunk_messages, describe_buffer, receive_inline, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from fedsynth import codec, grpcutil, lifetime
+from fedsynth.wire import codec, grpcutil
+from fedsynth.process import lifetime
 from fedsynth.assembly import client_seed
 from fedsynth.config import RunConfig
 from fedsynth.errors import FedsynthError, StopRequested

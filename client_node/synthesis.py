@@ -63,7 +63,7 @@ def synthesize(
         return SyntheticSet(np.zeros((0, 1, 1, 1), np.uint8), np.zeros(0, np.int64), False)
     if options.generator is None:
         raise ConfigError(f"policy {cfg.generation.policy!r} needs a generator service (--generator HOST:PORT)")
-    from fedsynth.generator_replicas import GeneratorReplicas
+    from fedsynth.generation.generator_replicas import GeneratorReplicas
 
     replicas = GeneratorReplicas.connect(options.generator, options.credentials, key="--generator")  # 1 or more
     try:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from fedsynth.runtime import write_atomic, write_json
+from fedsynth.process.runtime import write_atomic, write_json
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from fedsynth.codec import join_prefixed, split_prefixed
-from fedsynth.runtime import dumps_with_encoded_list, write_atomic
-from fedsynth.tensor_buffer import write_safetensors
+from fedsynth.wire.codec import join_prefixed, split_prefixed
+from fedsynth.process.runtime import dumps_with_encoded_list, write_atomic
+from fedsynth.wire.tensor_buffer import write_safetensors
 
 FILE_NAME = "checkpoint.safetensors"
 

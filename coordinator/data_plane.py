@@ -1,5 +1,5 @@
 """The coordinator's data plane (runtime.data_plane = "tcp"): serves task payloads and receives updates as raw bytes,
-one connection per transfer; the protocol and why are in fedsynth/data_plane.py.
+one connection per transfer; the protocol and why are in fedsynth/wire/data_plane.py.
 
 Every check of the gRPC path holds: an update goes through Federation.accept_update (the open round, the receive slot,
 the digest, keys, shapes, dtypes, finiteness) and a refusal carries the status code gRPC would give. Each connection
@@ -22,9 +22,9 @@ import torch
 from coordinator.federation import Federation
 from coordinator.receive_slots import SLOTTED_UPLOAD_BYTES, ReceiveSlots, UploadCancelled
 from coordinator.updates import header_fields
-from fedsynth import data_plane as wire
+from fedsynth.wire import data_plane as wire
 from fedsynth.errors import StateError, WireError
-from fedsynth.tls import AuthenticationError, RevocationList, identity_of_der
+from fedsynth.wire.tls import AuthenticationError, RevocationList, identity_of_der
 from fedsynth.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger(__name__)

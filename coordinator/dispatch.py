@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedsynth import codec
-from fedsynth.transfer import PreparedPayload
+from fedsynth.wire import codec
+from fedsynth.wire.transfer import PreparedPayload
 
 
 @dataclass(frozen=True)
@@ -26,4 +26,4 @@ class TaskDelivery:
 class Finished:
     reason: str
     success: bool
-    exit_code: int  # the coordinator's (fedsynth.runtime EXIT_*); clients exit with it too
+    exit_code: int  # the coordinator's (fedsynth.process.runtime EXIT_*); clients exit with it too

@@ -31,14 +31,14 @@ from coordinator.round_driver import RoundDriver
 from coordinator.run_state import RunState
 from coordinator.sdafl_server import SdaflServer
 from coordinator.updates import decode_update, local_state
-from fedsynth import wire_dtype
+from fedsynth.wire import wire_dtype
 from fedsynth.algorithms.fedgen import FedGen, head_keys
 from fedsynth.assembly import algorithm_for, model_for
 from fedsynth.config import RunConfig
-from fedsynth.data import load_dataset
+from fedsynth.learning.data import load_dataset
 from fedsynth.errors import StateError
-from fedsynth.training import TrainData, images_to_tensor
-from fedsynth.transfer import PreparedPayload
+from fedsynth.learning.training import TrainData, images_to_tensor
+from fedsynth.wire.transfer import PreparedPayload
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from fedsynth.algorithms.base import StateDict
 from fedsynth.algorithms.fedgen import GEN, FedGen, generator_from, head_of
-from fedsynth.fedgen_generator import train_generator
+from fedsynth.learning.fedgen_generator import train_generator
 
 log = logging.getLogger(__name__)
 

@@ -12,12 +12,13 @@ import torch
 
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.server import create_server
-from fedsynth import allocator, grpcutil, lifetime, tls
+from fedsynth.process import allocator, lifetime
+from fedsynth.wire import grpcutil, tls
 from fedsynth.config import load_config
 from fedsynth.errors import ConfigError, QuorumError
-from fedsynth.metrics import add_metrics_arguments, linger_for_final_scrape, serve_metrics_from_args
-from fedsynth.partition import check_partition
-from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_INTERNAL, EXIT_OK, setup_logging, write_atomic, write_json
+from fedsynth.process.metrics import add_metrics_arguments, linger_for_final_scrape, serve_metrics_from_args
+from fedsynth.learning.partition import check_partition
+from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_INTERNAL, EXIT_OK, setup_logging, write_atomic, write_json
 
 log = logging.getLogger("coordinator")
 

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from fedsynth import codec
+from fedsynth.wire import codec
 from fedsynth.errors import QuorumError, StateError, WireError
-from fedsynth.runtime import write_atomic
+from fedsynth.process.runtime import write_atomic
 
 log = logging.getLogger(__name__)
 FILE_NAME = "mean-data.safetensors"

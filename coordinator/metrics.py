@@ -6,7 +6,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from fedsynth.metrics import DURATION_BUCKETS
+from fedsynth.process.metrics import DURATION_BUCKETS
 
 
 class CoordinatorMetrics:

@@ -28,15 +28,15 @@ from coordinator.registry import ClientRegistry
 from coordinator.rounds import RoundInProgress, quorum_size, round_phases
 from coordinator.run_state import RunState
 from coordinator.sdafl_server import SdaflServer
-from fedsynth import codec, data_plane
+from fedsynth.wire import codec, data_plane
 from fedsynth.algorithms.base import Algorithm, snapshot_state
 from fedsynth.allocation import assigned_quota
 from fedsynth.config import RunConfig
 from fedsynth.errors import QuorumError
-from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_INTERNAL, EXIT_OK
-from fedsynth.tensor_buffer import encode_to_buffer
-from fedsynth.training import TrainData, evaluate
-from fedsynth.transfer import PreparedPayload, prepare
+from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_INTERNAL, EXIT_OK
+from fedsynth.wire.tensor_buffer import encode_to_buffer
+from fedsynth.learning.training import TrainData, evaluate
+from fedsynth.wire.transfer import PreparedPayload, prepare
 
 log = logging.getLogger(__name__)
 EVALUATION_WAITS_S = 1.0  # the most a closed round's test pass waits for the next round's tasks to be out

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 from fedsynth.algorithms.base import Aggregator
-from fedsynth.data_plane import TICKET_BYTES
-from fedsynth.transfer import PreparedPayload
+from fedsynth.wire.data_plane import TICKET_BYTES
+from fedsynth.wire.transfer import PreparedPayload
 
 
 @dataclass

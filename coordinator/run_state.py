@@ -13,7 +13,7 @@ from torch import nn
 
 from coordinator import checkpoint
 from coordinator.sdafl_server import SdaflServer
-from fedsynth import codec
+from fedsynth.wire import codec
 from fedsynth.algorithms.base import Algorithm, snapshot_state
 from fedsynth.errors import ConfigError
 

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from coordinator.synthetic_pool import UNLABELLED, SyntheticPool, mixup_finetune
-from fedsynth import codec
+from fedsynth.wire import codec
 from fedsynth.config import RunConfig
-from fedsynth.data import ArrayDataset, load_dataset
+from fedsynth.learning.data import ArrayDataset, load_dataset
 from fedsynth.errors import QuorumError, WireError
 
 log = logging.getLogger(__name__)

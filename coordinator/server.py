@@ -13,9 +13,9 @@ from coordinator.data_plane import DataPlaneServer
 from coordinator.federation import Federation
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
-from fedsynth import grpcutil, tls
+from fedsynth.wire import grpcutil, tls
 from fedsynth.config import RunConfig
-from fedsynth.strict_decoding import add_strictly
+from fedsynth.wire.strict_decoding import add_strictly
 from fedsynth.v1 import coordinator_pb2_grpc
 
 # With mutual TLS, the client id each of these RPCs claims must be the caller's certificate's (else PERMISSION_DENIED).

@@ -16,10 +16,10 @@ from coordinator.dispatch import Finished, TaskDelivery
 from coordinator.federation import Federation
 from coordinator.receive_slots import SLOTTED_UPLOAD_BYTES, UPLOAD_SLOTS, ReceiveSlots, UploadCancelled
 from coordinator.updates import header_fields
-from fedsynth import codec
+from fedsynth.wire import codec
 from fedsynth.errors import StateError, WireError
-from fedsynth.raw_messages import task_message
-from fedsynth.transfer import receive_inline, receive_into
+from fedsynth.wire.raw_messages import task_message
+from fedsynth.wire.transfer import receive_inline, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedsynth.errors import StateError, WireError
-from fedsynth.training import images_to_tensor
+from fedsynth.learning.training import images_to_tensor
 
 log = logging.getLogger(__name__)
 UNLABELLED = -1

@@ -9,16 +9,16 @@ from typing import Any
 
 import torch
 
-from fedsynth import codec, wire_dtype
+from fedsynth.wire import codec, wire_dtype
 from fedsynth.errors import WireError
-from fedsynth.tensor_buffer import decode_views
-from fedsynth.transfer import receive_into
+from fedsynth.wire.tensor_buffer import decode_views
+from fedsynth.wire.transfer import receive_into
 
 
 @dataclass(frozen=True)
 class ReceivedUpdate:
     """Tensors that are views of the received buffer: it lives exactly as long as they do. With `deltas`, the
-    floating-point tensors of `state` are differences from the round's global model (see fedsynth.wire_dtype)."""
+    floating-point tensors of `state` are differences from the round's global model (see fedsynth.wire.wire_dtype)."""
 
     state: dict[str, torch.Tensor]
     extra: dict[str, torch.Tensor]

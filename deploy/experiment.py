@@ -14,10 +14,10 @@ from typing import Any
 
 from deploy.experiment_spec import load_experiment, write_run_toml
 from deploy.processes import fedsynth_command
-from fedsynth import lifetime
+from fedsynth.process import lifetime
 from fedsynth.config import RunConfig
 from fedsynth.errors import ConfigError
-from fedsynth.runtime import setup_logging, write_atomic
+from fedsynth.process.runtime import setup_logging, write_atomic
 
 log = logging.getLogger("experiment")
 CHECKPOINT_FILE = "checkpoint.safetensors"  # coordinator/checkpoint.py (deploy does not import a role)
@@ -104,7 +104,7 @@ def run_arm(cfg: RunConfig, arm_dir: Path, timeout_s: float) -> dict[str, Any]:
     command = fedsynth_command("run", "--config", str(arm_dir / "config.toml"), "--out-dir", str(arm_dir), "--no-progress")
     with open(log_path, "ab") as log_file:
         # its own session: on a deadline the whole process tree is stopped, grandchildren included
-        # and bound to this process (fedsynth.lifetime): a kill -9 of the experiment ends its arm's run too
+        # and bound to this process (fedsynth.process.lifetime): a kill -9 of the experiment ends its arm's run too
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    start_new_session=True, env=lifetime.child_env())
     try:

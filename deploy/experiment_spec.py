@@ -13,7 +13,7 @@ from typing import Any
 
 from fedsynth.config import RunConfig, apply_overrides, from_dict
 from fedsynth.errors import ConfigError
-from fedsynth.runtime import write_atomic
+from fedsynth.process.runtime import write_atomic
 
 ROLES = ("fedavg", "uniform", "missing", "full", "fedeas", "sdafl")
 # What must agree across arms so they share one partition and one generator (seed and data are checked too).

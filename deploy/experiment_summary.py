@@ -11,7 +11,7 @@ from deploy.experiment_spec import role_policy
 from deploy.report_render import PLOTS, pyplot, read_json_object, save_figure
 from deploy.stats import paired_difference, summarize
 from fedsynth.errors import ConfigError
-from fedsynth.runtime import write_atomic
+from fedsynth.process.runtime import write_atomic
 
 if TYPE_CHECKING:
     from deploy.experiment_spec import Experiment

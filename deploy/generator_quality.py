@@ -15,7 +15,7 @@ from typing import Any
 from deploy.generator_setup import cache_root
 from deploy.processes import fedsynth_command
 from fedsynth.config import RunConfig
-from fedsynth.runtime import write_atomic
+from fedsynth.process.runtime import write_atomic
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from deploy.processes import ProcessGroup, fedsynth_command
 from fedsynth.config import RunConfig
 from fedsynth.config_schema import GENERATOR_TRAIN_LR
 from fedsynth.errors import ConfigError
-from fedsynth.generator_names import METADATA_FILE
+from fedsynth.generation.generator_names import METADATA_FILE
 
 TRAIN_TIMEOUT_S = 3 * 3600.0
 LR_BEFORE_SIZES = 2e-3  # every size's training lr until 2026-12-05

@@ -19,9 +19,9 @@ from tqdm import tqdm
 from deploy.processes import Child, ChildFailed, ProcessGroup, fedsynth_command, log_tail, wait_for_file
 from deploy.report import LAST_N, build_report, load_coordinator_record
 from deploy.scrape import scrape, total
-from fedsynth import grpcutil, tls
+from fedsynth.wire import grpcutil, tls
 from fedsynth.config import RunConfig, load_config
-from fedsynth.generator_names import (
+from fedsynth.generation.generator_names import (
     DEVICE_SECONDS_TOTAL,
     FILTER_ACCEPTED_TOTAL,
     FILTER_CANDIDATES_TOTAL,
@@ -34,8 +34,8 @@ from fedsynth.generator_names import (
     REQUESTS_TOTAL,
     SERVICE_NAME,
 )
-from fedsynth.partition import check_partition
-from fedsynth.runtime import EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED, setup_logging, write_json
+from fedsynth.learning.partition import check_partition
+from fedsynth.process.runtime import EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED, setup_logging, write_json
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedsynth import lifetime
+from fedsynth.process import lifetime
 
 log = logging.getLogger(__name__)
 def fedsynth_command(*args: str) -> list[str]:
@@ -47,7 +47,7 @@ class ProcessGroup:
             # Its own process group: Ctrl-C reaches only this process, which stops the children in order, and a
             # child's grandchildren (a client's DP-GAN) can be killed with it. No preexec_fn: it forces fork() in a
             # process that has used gRPC, whose fork handlers can abort the child; the child arms its parent-death
-            # signal itself (fedsynth.lifetime), so it dies with this process even after a kill -9.
+            # signal itself (fedsynth.process.lifetime), so it dies with this process even after a kill -9.
             process_group=0,
         )
         handle.close()

@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedsynth.errors import ConfigError
-from fedsynth.tls import TRUST_DOMAIN, node_uri
+from fedsynth.wire.tls import TRUST_DOMAIN, node_uri
 
 SERVER_ROLES = ("coordinator", "generator")
 DEFAULT_HOSTS = ("localhost", "127.0.0.1")

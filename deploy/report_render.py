@@ -9,7 +9,7 @@ from typing import Any
 
 from deploy.report import LAST_N
 from fedsynth.errors import ConfigError
-from fedsynth.runtime import write_atomic
+from fedsynth.process.runtime import write_atomic
 
 DPI = 130
 PLOTS = "plots"

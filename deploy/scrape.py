@@ -6,7 +6,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from fedsynth.tls import TLSFiles, ssl_client_context
+from fedsynth.wire.tls import TLSFiles, ssl_client_context
 
 SCRAPE_TIMEOUT_S = 5.0
 

@@ -12,11 +12,11 @@ from torch import nn
 
 from fedsynth.algorithms import Algorithm, get_algorithm
 from fedsynth.config import DataConfig, RunConfig
-from fedsynth.data import ArrayDataset, load_dataset
+from fedsynth.learning.data import ArrayDataset, load_dataset
 from fedsynth.errors import FedsynthError
-from fedsynth.models import ProjectedModel, build_model
-from fedsynth.partition import partition_for
-from fedsynth.training import LocalTrainConfig
+from fedsynth.learning.models import ProjectedModel, build_model
+from fedsynth.learning.partition import partition_for
+from fedsynth.learning.training import LocalTrainConfig
 
 
 def algorithm_for(cfg: RunConfig) -> Algorithm:

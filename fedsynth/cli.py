@@ -7,13 +7,13 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from fedsynth import lifetime
+from fedsynth.process import lifetime
 from fedsynth.errors import FedsynthError
 
 # name -> (module, one-line help). Each module defines add_arguments(parser) and run(args) -> int.
 # Imported lazily so `fedsynth plan` never pays for torch/grpc start-up and roles stay independent.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "plan": ("fedsynth.plan_cmd", "allocation planner: synthetic budgets per client and class, no training"),
+    "plan": ("fedsynth.plan.plan_cmd", "allocation planner: synthetic budgets per client and class, no training"),
     "run": ("deploy.launcher", "local launcher: coordinator, generator and client nodes as processes"),
     "coordinator": ("coordinator.main", "the coordinator (server) process alone"),
     "client": ("client_node.main", "one client-node process (one or several logical clients)"),

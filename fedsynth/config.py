@@ -15,6 +15,7 @@ from fedsynth.config_schema import (
     ACCOUNTANTS,
     ALGORITHM_PARAMS,
     ALGORITHMS,
+    DATASETS,
     DATA_PLANES,
     GENERATOR_BACKENDS,
     GENERATOR_SIZES,
@@ -26,7 +27,6 @@ from fedsynth.config_schema import (
     WIRE_DTYPES,
     Section,
 )
-from fedsynth.data import DATASETS
 from fedsynth.errors import ConfigError
 
 PAPER_RULE = {"exponent": 0.5, "entropy_factor": True}  # FedEAS's b_k as the paper defines it (the defaults below)

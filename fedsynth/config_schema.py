@@ -1,7 +1,7 @@
 """The config's checks: one typed check driven by each field's annotation, range rules, and the names keys choose from.
 
 The names and each algorithm's parameter bounds are defined HERE and nowhere else: the tables that serve them
-(fedsynth.models' builders, fedsynth.algorithms.ALGORITHMS, generator_service.backends.BACKENDS,
+(fedsynth.learning.models' builders, fedsynth.algorithms.ALGORITHMS, generator_service.backends.BACKENDS,
 generator_service.ddpm.model.SIZES, ...) import them and check their keys with `require_names` when imported.
 This module imports neither torch nor a role package, so reading a config loads neither.
 """
@@ -18,18 +18,19 @@ from typing import Any, ClassVar
 
 from fedsynth.errors import ConfigError
 
+DATASETS = ("digits", "cifar10", "cifar100", "npz")  # fedsynth.learning.data
 POLICIES = ("none", "fedeas", "uniform", "missing", "full")  # fedsynth.allocation
-PARTITIONS = ("dirichlet", "iid")  # fedsynth.partition
+PARTITIONS = ("dirichlet", "iid")  # fedsynth.learning.partition
 ACCOUNTANTS = ("rdp", "prv")  # generator_service.dpgan (Opacus accountants)
-MODELS = ("cnn", "resnet18")  # fedsynth.models.build_model
+MODELS = ("cnn", "resnet18")  # fedsynth.learning.models.build_model
 GENERATOR_BACKENDS = ("ddpm", "holdout", "text2image")  # generator_service.backends; holdout: real held-out images
 GENERATOR_SIZES = ("tiny", "small", "half", "ddpm-cifar")  # generator_service.ddpm.model.SIZES
 # `generator train`'s default AdamW lr by size. 2e-3 trains the two CPU sizes in few steps; at 2e-3 "half" collapsed on
 # digits (after 1,500 steps it predicted ~0 noise and drew noise: docs/generator.md), so the DDPM-CIFAR layouts take
 # Ho et al.'s 2e-4. The launcher names the lr in a cached model's folder where it is not the 2e-3 of older folders.
 GENERATOR_TRAIN_LR = {"tiny": 2e-3, "small": 2e-3, "half": 2e-4, "ddpm-cifar": 2e-4}
-WIRE_DTYPES = ("float32", "float16", "bfloat16")  # fedsynth.wire_dtype: the floats of client updates on the wire
-DATA_PLANES = ("grpc", "tcp")  # how model payloads travel: chunks on the gRPC streams, or fedsynth.data_plane beside them
+WIRE_DTYPES = ("float32", "float16", "bfloat16")  # fedsynth.wire.wire_dtype: the floats of client updates on the wire
+DATA_PLANES = ("grpc", "tcp")  # how model payloads travel: chunks on the gRPC streams, or fedsynth.wire.data_plane beside them
 MAX_EXPONENT = 2.0  # generation.exponent / plan --exponent: past (N_k / C)^2 no generator could fill a budget
 
 

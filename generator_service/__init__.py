@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from fedsynth.tls import ServerSecurity
+    from fedsynth.wire.tls import ServerSecurity
     from generator_service.serve_cmd import GeneratorServer, ServeConfig
 
 __all__ = ["GeneratorServer", "ServeConfig", "create_server"]

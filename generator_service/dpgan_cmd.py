@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from fedsynth.errors import ConfigError, DataError
-from fedsynth.runtime import setup_logging, write_atomic, write_json
+from fedsynth.process.runtime import setup_logging, write_atomic, write_json
 from generator_service.dpgan import DPGANConfig, sample_images, train_dp_wgan
 
 log = logging.getLogger("dpgan")

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedsynth import tls
+from fedsynth.wire import tls
 from fedsynth.config_schema import MODELS
-from fedsynth.data import DATASETS
+from fedsynth.config_schema import DATASETS
 from fedsynth.errors import ConfigError
-from fedsynth.runtime import write_json
+from fedsynth.process.runtime import write_json
 from generator_service.backends import get_backend
 from generator_service.evaluation.judge import default_recipe, load_or_train_judge, resolve_judge_device
 from generator_service.evaluation.sources import GeneratedImages, from_address, from_backend, from_npz
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.images is not None and not args.images.is_file():  # before training a judge
         raise ConfigError(f"--images {str(args.images)!r} does not exist or is not a file")
-    from fedsynth.data import load_dataset
+    from fedsynth.learning.data import load_dataset
     from generator_service.evaluation.report import evaluate_images
 
     known = _dataset_before_drawing(args)

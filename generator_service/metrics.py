@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from fedsynth.generator_names import (
+from fedsynth.generation.generator_names import (
     DEVICE_SECONDS_TOTAL,
     FILTER_ACCEPTED_TOTAL,
     FILTER_CANDIDATES_TOTAL,
@@ -16,8 +16,8 @@ from fedsynth.generator_names import (
     INFO,
     REQUESTS_TOTAL,
 )
-from fedsynth.metrics import DURATION_BUCKETS, SIZE_BUCKETS, MetricsHTTPServer, serve_metrics
-from fedsynth.tls import RevocationList, TLSFiles
+from fedsynth.process.metrics import DURATION_BUCKETS, SIZE_BUCKETS, MetricsHTTPServer, serve_metrics
+from fedsynth.wire.tls import RevocationList, TLSFiles
 
 # Images per request reach the tens of thousands (a client's whole synthetic budget in one call).
 REQUEST_IMAGE_BUCKETS = SIZE_BUCKETS + (16384, 65536)
@@ -64,5 +64,5 @@ class GeneratorMetrics:
 
 def serve_registry(port: int, registry: CollectorRegistry, host: str = "127.0.0.1", tls: TLSFiles | None = None,
                    revoked: RevocationList | None = None) -> MetricsHTTPServer | None:
-    """fedsynth.metrics.serve_metrics for a given registry (HTTPS when `tls` is given); stoppable (.shutdown()); port < 0: none."""
+    """fedsynth.process.metrics.serve_metrics for a given registry (HTTPS when `tls` is given); stoppable (.shutdown()); port < 0: none."""
     return serve_metrics(port, host, tls=tls, revoked=revoked, registry=registry)

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedsynth.data import DATASETS
+from fedsynth.config_schema import DATASETS
 from fedsynth.errors import ConfigError, DataError
-from fedsynth.training import images_to_tensor
+from fedsynth.learning.training import images_to_tensor
 from generator_service.backends import BackendDescription, GeneratorBackend, PartlyUnservable
 from generator_service.ddpm.sampling import ImageKey
 from generator_service.metrics import GeneratorMetrics

@@ -13,13 +13,14 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from fedsynth import grpcutil, lifetime, tls
-from fedsynth.data import DATASETS
+from fedsynth.wire import grpcutil, tls
+from fedsynth.process import lifetime
+from fedsynth.config_schema import DATASETS
 from fedsynth.errors import ConfigError
-from fedsynth.generator_names import SERVICE_NAME
-from fedsynth.metrics import add_metrics_arguments, choose_metrics_tls
-from fedsynth.runtime import write_atomic
-from fedsynth.strict_decoding import add_strictly
+from fedsynth.generation.generator_names import SERVICE_NAME
+from fedsynth.process.metrics import add_metrics_arguments, choose_metrics_tls
+from fedsynth.process.runtime import write_atomic
+from fedsynth.wire.strict_decoding import add_strictly
 from fedsynth.v1 import generator_pb2_grpc
 from generator_service.backends import BACKENDS, build_backend, get_backend
 from generator_service.batcher import Batcher

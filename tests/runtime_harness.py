@@ -15,7 +15,7 @@ import grpc
 
 from coordinator import checkpoint
 from deploy.processes import Child, ProcessGroup, fedsynth_command, wait_for_file
-from fedsynth import grpcutil
+from fedsynth.wire import grpcutil
 from fedsynth.config import RunConfig, load_config
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedsynth.algorithms import ALGORITHMS, Aggregator, ClientUpdate, get_algorithm
-from fedsynth.data import load_dataset
+from fedsynth.learning.data import load_dataset
 from fedsynth.errors import ConfigError, DataError, StopRequested, WireError
-from fedsynth.models import build_model
-from fedsynth.training import LocalTrainConfig, TrainData, augment_batch, batches, evaluate, images_to_tensor
+from fedsynth.learning.models import build_model
+from fedsynth.learning.training import LocalTrainConfig, TrainData, augment_batch, batches, evaluate, images_to_tensor
 
 # ---------------------------------------------------------------- fixtures
 

@@ -1,4 +1,4 @@
-"""fedsynth.allocator: with glibc, blocks of 1 MiB and more are mmapped even after a bigger block was freed; elsewhere a no-op."""
+"""fedsynth.process.allocator: with glibc, blocks of 1 MiB and more are mmapped even after a bigger block was freed; elsewhere a no-op."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-from fedsynth import allocator
+from fedsynth.process import allocator
 
 # In a fresh interpreter: free an 8 MiB block (glibc then raises its dynamic mmap threshold to 8 MiB), allocate 4 MiB,
 # and print how many blocks are mmapped (mallinfo2's hblks) while it is held.
 PROBE = r"""
 import ctypes, sys
-from fedsynth import allocator
+from fedsynth.process import allocator
 if sys.argv[1] == "tuned":
     assert allocator.tune_for_large_buffers()
 libc = ctypes.CDLL(None)

@@ -13,8 +13,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.processes import fedsynth_command, wait_for_file
-from fedsynth import grpcutil
-from fedsynth.generator_client import fetch_images
+from fedsynth.wire import grpcutil
+from fedsynth.generation.generator_client import fetch_images
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import generator_pb2 as gpb
 from runtime_harness import Runtime, channel, read_record, wait_exit

@@ -18,16 +18,16 @@ from torch import nn
 
 from client_node.metrics import ClientMetrics
 from client_node.node import ClientState, LogicalClient, NodeOptions
-from fedsynth import codec
+from fedsynth.wire import codec
 from fedsynth.algorithms import ClientUpdate, get_algorithm
 from fedsynth.algorithms.moon import contrastive_loss
 from fedsynth.algorithms.scaffold import effective_steps
 from fedsynth.assembly import algorithm_for, local_train_config, model_for, round_generator
 from fedsynth.config import load_config
-from fedsynth.data import load_dataset
-from fedsynth.models import ProjectedModel, build_model
-from fedsynth.training import LocalTrainConfig, TrainData, images_to_tensor
-from fedsynth.transfer import receive_inline
+from fedsynth.learning.data import load_dataset
+from fedsynth.learning.models import ProjectedModel, build_model
+from fedsynth.learning.training import LocalTrainConfig, TrainData, images_to_tensor
+from fedsynth.wire.transfer import receive_inline
 from fedsynth.v1 import coordinator_pb2 as pb
 
 StateDict = dict[str, torch.Tensor]
@@ -198,7 +198,7 @@ class _Coordinator:
         self.models: list[StateDict] = []
 
     def SubmitUpdate(self, messages: list[pb.UpdateChunk | bytes], timeout: float) -> None:  # noqa: N802 - the gRPC name
-        # the client frames its chunk messages by hand (fedsynth.raw_messages): bytes, parsed here as the server would
+        # the client frames its chunk messages by hand (fedsynth.wire.raw_messages): bytes, parsed here as the server would
         header, *chunks = [m if isinstance(m, pb.UpdateChunk) else pb.UpdateChunk.FromString(m) for m in messages]
         meta = codec.PayloadMeta(header.header.payload.total_bytes, header.header.payload.sha256, header.header.payload.num_chunks)
         if header.header.inline_payload:  # an update that fits one chunk travels in its header

@@ -13,12 +13,12 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file
 
-from fedsynth import codec
+from fedsynth.wire import codec
 from fedsynth.algorithms.base import Aggregator, fold
 from fedsynth.errors import WireError
-from fedsynth.raw_messages import chunk_message, passthrough, task_message
-from fedsynth.tensor_buffer import HUGE_PAGE_BYTES, decode_views, encode_to_buffer, fresh_buffer, write_safetensors
-from fedsynth.transfer import byte_view, chunk_views, describe_buffer, prepare, receive_inline, receive_into
+from fedsynth.wire.raw_messages import chunk_message, passthrough, task_message
+from fedsynth.wire.tensor_buffer import HUGE_PAGE_BYTES, decode_views, encode_to_buffer, fresh_buffer, write_safetensors
+from fedsynth.wire.transfer import byte_view, chunk_views, describe_buffer, prepare, receive_inline, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
 
 CHUNK = codec.CHUNK_BYTES

@@ -22,9 +22,10 @@ import pytest
 import fedsynth.assembly as assembly
 from fedsynth.config import SECTIONS, RunConfig, from_dict, from_json, load_config, to_json
 from fedsynth.config_schema import ALGORITHM_PARAMS, GENERATOR_BACKENDS, GENERATOR_SIZES, require_names
-from fedsynth.data import DATASETS, load_labels
+from fedsynth.config_schema import DATASETS
+from fedsynth.learning.data import load_labels
 from fedsynth.errors import ConfigError
-from fedsynth.partition import check_partition, partition
+from fedsynth.learning.partition import check_partition, partition
 
 # Every key: its kind (a trailing ? means it may be left out / null) and values of the right type that are out of
 # range or not a valid choice. Written out by hand, apart from the code under test, so that it can disagree with it.

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from coordinator import checkpoint
-from fedsynth import codec
-from fedsynth.transfer import receive_inline
+from fedsynth.wire import codec
+from fedsynth.wire.transfer import receive_inline
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 from runtime_harness import Runtime, channel, wait_until

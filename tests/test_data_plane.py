@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from coordinator import checkpoint
-from fedsynth import codec, data_plane, grpcutil
+from fedsynth.wire import codec, data_plane, grpcutil
 from fedsynth.errors import WireError
-from fedsynth.tensor_buffer import decode_views, encode_parts, encode_to_buffer
+from fedsynth.wire.tensor_buffer import decode_views, encode_parts, encode_to_buffer
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 from runtime_harness import Runtime, channel, wait_until

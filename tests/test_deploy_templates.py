@@ -29,7 +29,7 @@ from deploy.processes import fedsynth_command
 from deploy.provision import provision
 from fedsynth import cli
 from fedsynth.config import load_config
-from fedsynth.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_INTERNAL
+from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_INTERNAL
 from generator_service.serve_cmd import SERVICE_NAME as GENERATOR_SERVICE
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ from opacus.accountants import create_accountant
 
 from client_node.sdafl_client import dpgan_fields
 from fedsynth.config import load_config
-from fedsynth.data import load_dataset
+from fedsynth.learning.data import load_dataset
 from fedsynth.errors import ConfigError, DataError
 from generator_service.dpgan import DPGANConfig, sample_images, train_dp_wgan
 from generator_service.dpgan.networks import Critic, Generator, images_to_tensor, tensor_to_images

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import allocation_reference as reference
-from fedsynth.data import load_labels
-from fedsynth.partition import label_counts, partition
+from fedsynth.learning.data import load_labels
+from fedsynth.learning.partition import label_counts, partition
 
 CLIENTS, SEED, BETA, HOLDOUT, ALPHA = 3, 5, 2.0, 0.2, 0.1
 RUN = [

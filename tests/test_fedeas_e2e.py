@@ -11,8 +11,8 @@ import pytest
 
 import allocation_reference as reference
 from fedsynth.config import load_config
-from fedsynth.data import load_labels
-from fedsynth.partition import label_counts, partition
+from fedsynth.learning.data import load_labels
+from fedsynth.learning.partition import label_counts, partition
 
 RUN = [
     "data.clients=4", "train.rounds=2", "train.local_epochs=1", "runtime.clients_per_process=4",

@@ -9,9 +9,9 @@ from torch import nn
 
 from fedsynth.algorithms import get_algorithm
 from fedsynth.errors import WireError
-from fedsynth.fedgen_generator import FeatureGenerator, diversity_loss, label_weights, teacher_loss, train_generator
-from fedsynth.models import build_model
-from fedsynth.training import LocalTrainConfig, TrainData
+from fedsynth.learning.fedgen_generator import FeatureGenerator, diversity_loss, label_weights, teacher_loss, train_generator
+from fedsynth.learning.models import build_model
+from fedsynth.learning.training import LocalTrainConfig, TrainData
 
 
 def test_label_weights_are_each_clients_share_of_a_class() -> None:

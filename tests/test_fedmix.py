@@ -12,7 +12,7 @@ from client_node.fedmix_client import mean_data, pool_from_group
 from fedsynth.algorithms import get_algorithm
 from fedsynth.algorithms.fedmix import fedmix_loss, naivemix_loss
 from fedsynth.errors import ConfigError, WireError
-from fedsynth.training import LocalTrainConfig, TrainData
+from fedsynth.learning.training import LocalTrainConfig, TrainData
 
 CLASSES = 3
 
@@ -103,7 +103,7 @@ def test_local_training_uses_the_mean_data(name: str) -> None:
     cfg = LocalTrainConfig(lr=0.05, batch_size=10, local_epochs=1)
 
     def train(extra: dict[str, torch.Tensor], lam: float) -> dict[str, torch.Tensor]:
-        from fedsynth.models import build_model
+        from fedsynth.learning.models import build_model
 
         torch.manual_seed(0)
         model = build_model("cnn", num_classes=10, in_channels=1, image_size=8)

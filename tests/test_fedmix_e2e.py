@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from coordinator.mean_pool import FILE_NAME, MeanDataPool
-from fedsynth import codec
+from fedsynth.wire import codec
 from fedsynth.errors import StateError, WireError
-from fedsynth.tensor_buffer import decode_views
-from fedsynth.transfer import receive_inline
+from fedsynth.wire.tensor_buffer import decode_views
+from fedsynth.wire.transfer import receive_inline
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 from runtime_harness import Runtime, channel

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from fedsynth import grpcutil
+from fedsynth.wire import grpcutil
 from fedsynth.errors import StopRequested
-from fedsynth.generator_client import fetch_images
-from fedsynth.generator_replicas import GeneratorReplicas
+from fedsynth.generation.generator_client import fetch_images
+from fedsynth.generation.generator_replicas import GeneratorReplicas
 from generator_service.ddpm.model import GeneratorMetadata, build_unet, make_train_scheduler, save_generator
 from generator_service.serve_cmd import SERVICE_NAME, GeneratorServer, ServeConfig
 

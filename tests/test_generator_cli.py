@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedsynth import grpcutil
-from fedsynth.generator_client import GeneratorInfo, fetch_images
+from fedsynth.wire import grpcutil
+from fedsynth.generation.generator_client import GeneratorInfo, fetch_images
 from generator_service.ddpm.model import (
     GeneratorMetadata,
     build_unet,

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from fedsynth import cli
-from fedsynth.data import load_dataset
+from fedsynth.learning.data import load_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACT_KEYS = ("recognizability", "per_class_recognizability", "cas", "frechet", "judge_test_accuracy")

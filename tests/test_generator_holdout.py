@@ -20,12 +20,12 @@ from prometheus_client import CollectorRegistry
 from deploy.generator_setup import check_backend, serve_arguments
 from deploy.launcher import Launcher
 from deploy.processes import ProcessGroup
-from fedsynth import grpcutil
+from fedsynth.wire import grpcutil
 from fedsynth.config import GENERATOR_BACKENDS, load_config
-from fedsynth.data import load_dataset
+from fedsynth.learning.data import load_dataset
 from fedsynth.errors import ConfigError
-from fedsynth.generator_client import GeneratorInfo, fetch_images
-from fedsynth.partition import holdout_split, partition
+from fedsynth.generation.generator_client import GeneratorInfo, fetch_images
+from fedsynth.learning.partition import holdout_split, partition
 from fedsynth.v1 import generator_pb2, generator_pb2_grpc
 from generator_service.backends import BACKENDS
 from generator_service.backends.holdout import HoldoutBackend, load_holdout

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from fedsynth.config import generator_addresses, load_config
 from fedsynth.errors import ConfigError, WireError
-from fedsynth.generator_replicas import GeneratorReplicas
+from fedsynth.generation.generator_replicas import GeneratorReplicas
 from generator_service.serve_cmd import GeneratorServer, ServeConfig
 
 HOLDOUT = {"backend": "holdout", "dataset": "digits", "holdout_fraction": 0.2, "seed": 3}

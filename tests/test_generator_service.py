@@ -17,8 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from fedsynth import grpcutil
-from fedsynth.generator_client import GeneratorInfo, fetch_images
+from fedsynth.wire import grpcutil
+from fedsynth.generation.generator_client import GeneratorInfo, fetch_images
 from fedsynth.v1 import generator_pb2, generator_pb2_grpc
 from generator_service.ddpm.model import GeneratorMetadata, build_unet, make_train_scheduler, save_generator
 from generator_service.serve_cmd import SERVICE_NAME, GeneratorServer, ServeConfig

@@ -14,10 +14,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from fedsynth import grpcutil
+from fedsynth.wire import grpcutil
 from fedsynth.config import load_config
 from fedsynth.errors import ConfigError
-from fedsynth.generator_client import GeneratorInfo
+from fedsynth.generation.generator_client import GeneratorInfo
 from fedsynth.v1 import generator_pb2, generator_pb2_grpc
 from generator_service.backends.text2image import (
     CIFAR10_NAMES,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from deploy.processes import fedsynth_command
-from fedsynth.runtime import EXIT_INTERNAL
+from fedsynth.process.runtime import EXIT_INTERNAL
 from runtime_harness import Runtime, overrides, read_record, wait_exit
 
 pytestmark = pytest.mark.slow

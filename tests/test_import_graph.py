@@ -1,4 +1,5 @@
-"""Imports, read from the source: roles share only fedsynth, benchmarks use public entry points, and nothing is circular."""
+"""Imports, read from the source: roles share only fedsynth, benchmarks use public entry points, the shared library's
+rooms import only the rooms below them, and nothing is circular."""
 
 from __future__ import annotations
 
@@ -64,3 +65,45 @@ def test_no_module_imports_itself_through_a_circle() -> None:
         return seen
 
     assert sorted(name for name in GRAPH if name in reach(name)) == []
+
+
+# The shared library's rooms and top-level modules, and what each may import inside fedsynth (cli: anything).
+ROOMS_MAY_IMPORT = {
+    "errors": set(),
+    "config_schema": {"errors"},
+    "v1": set(),
+    "config": {"errors", "config_schema"},
+    "wire": {"errors", "config_schema", "v1"},
+    "process": {"errors", "config_schema", "wire"},
+    "learning": {"errors", "config_schema", "config"},
+    "allocation": {"errors", "config_schema"},
+    "algorithms": {"errors", "config_schema", "config", "learning", "wire"},
+    "generation": {"errors", "config_schema", "config", "v1", "wire", "process"},
+    "plan": {"errors", "config_schema", "config", "allocation", "learning"},
+    "assembly": {"errors", "config_schema", "config", "learning", "algorithms"},
+}
+
+
+def _room(module: str) -> str:
+    return module.split(".")[1] if "." in module else ""
+
+
+def test_each_room_imports_only_the_rooms_below_it() -> None:
+    upward = [
+        (source, target)
+        for source, targets in GRAPH.items()
+        if source.startswith("fedsynth.") and _room(source) != "cli"
+        for target in targets
+        if target.startswith("fedsynth.") and _room(target) != _room(source)
+        and _room(target) not in ROOMS_MAY_IMPORT[_room(source)]
+    ]
+    assert upward == []
+
+
+def test_the_shared_library_has_at_most_ten_top_level_modules_each_a_known_room() -> None:
+    top = sorted(p.stem for p in (ROOT / "fedsynth").glob("*.py") if p.stem != "__init__")
+    rooms = sorted(p.name for p in (ROOT / "fedsynth").iterdir() if (p / "__init__.py").is_file())
+    assert len(top) <= 10, top
+    assert set(top) | set(rooms) == set(ROOMS_MAY_IMPORT) | {"cli"}
+    for room in rooms:
+        assert ast.get_docstring(ast.parse((ROOT / "fedsynth" / room / "__init__.py").read_text())), room

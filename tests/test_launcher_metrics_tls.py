@@ -10,9 +10,9 @@ from prometheus_client import CollectorRegistry, Counter, Info
 from deploy.launcher import Launcher
 from fedsynth import cli
 from fedsynth.config import load_config
-from fedsynth.generator_names import DEVICE_SECONDS_TOTAL, IMAGES_TOTAL, INFO, REQUESTS_TOTAL
-from fedsynth.metrics import serve_metrics
-from fedsynth.tls import TLSFiles
+from fedsynth.generation.generator_names import DEVICE_SECONDS_TOTAL, IMAGES_TOTAL, INFO, REQUESTS_TOTAL
+from fedsynth.process.metrics import serve_metrics
+from fedsynth.wire.tls import TLSFiles
 
 
 def test_generator_counters_over_https_with_the_operator_pair(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from fedsynth.errors import ConfigError
-from fedsynth.metrics import add_metrics_arguments, linger_for_final_scrape, serve_metrics, serve_metrics_from_args
+from fedsynth.process.metrics import add_metrics_arguments, linger_for_final_scrape, serve_metrics, serve_metrics_from_args
 
 pytestmark = pytest.mark.serial  # asserts time bounds: runs alone, after the parallel tests
 

@@ -21,8 +21,8 @@ from deploy.prometheus.render_targets import JOBS, write_targets
 from deploy.scrape import scrape, total
 from fedsynth import cli
 from fedsynth.errors import ConfigError
-from fedsynth.metrics import choose_metrics_tls, serve_metrics, serves_https
-from fedsynth.tls import TLSFiles
+from fedsynth.process.metrics import choose_metrics_tls, serve_metrics, serves_https
+from fedsynth.wire.tls import TLSFiles
 from runtime_harness import START_TIMEOUT_S, wait_until
 from test_prometheus import Prometheus, free_port, tool
 

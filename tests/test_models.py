@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from fedsynth.errors import ConfigError
-from fedsynth.models import MODELS, build_model
+from fedsynth.learning.models import MODELS, build_model
 
 
 @pytest.mark.parametrize(("in_channels", "image_size"), [(1, 8), (3, 32)])

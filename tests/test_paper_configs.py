@@ -12,9 +12,9 @@ import pytest
 
 from deploy.experiment_spec import load_experiment, write_run_toml
 from fedsynth.config import RunConfig
-from fedsynth.data import NUM_CLASSES
+from fedsynth.learning.data import NUM_CLASSES
 from fedsynth.errors import ConfigError
-from fedsynth.partition import partition_for
+from fedsynth.learning.partition import partition_for
 
 CONFIGS = Path(__file__).resolve().parents[1] / "deploy" / "configs"
 DATASETS = ("cifar10", "cifar100")

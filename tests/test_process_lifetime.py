@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from fedsynth import lifetime
-from fedsynth.runtime import EXIT_OK
+from fedsynth.process import lifetime
+from fedsynth.process.runtime import EXIT_OK
 from runtime_harness import Runtime, wait_exit, wait_until
 
 pytestmark = pytest.mark.serial  # asserts time bounds: runs alone, after the parallel tests
@@ -80,9 +80,9 @@ def seconds_until(predicate, *, timeout_s: float) -> float:  # type: ignore[no-u
 
 # ---- the mechanism alone, with plain Python processes ----------------------------------------------------------
 
-SLEEPER = "from fedsynth import lifetime; lifetime.bind_to_parent(); print('ready', flush=True); import time; time.sleep(120)"
+SLEEPER = "from fedsynth.process import lifetime; lifetime.bind_to_parent(); print('ready', flush=True); import time; time.sleep(120)"
 PARENT = (
-    "import subprocess, sys, time; from fedsynth import lifetime; "
+    "import subprocess, sys, time; from fedsynth.process import lifetime; "
     f"child = subprocess.Popen([sys.executable, '-c', {SLEEPER!r}], env=lifetime.child_env()); "
     "print(child.pid, flush=True); time.sleep(120)"
 )

@@ -21,12 +21,13 @@ from prometheus_client import CollectorRegistry
 from deploy.generator_setup import check_backend, serve_arguments
 from deploy.launcher import SERVING_POLL_S, Launcher
 from deploy.processes import Child, ChildFailed, ProcessGroup
-from fedsynth import cli, grpcutil
+from fedsynth import cli
+from fedsynth.wire import grpcutil
 from fedsynth.config import load_config
-from fedsynth.data import load_dataset
+from fedsynth.learning.data import load_dataset
 from fedsynth.errors import ConfigError
-from fedsynth.generator_client import GeneratorInfo
-from fedsynth.generator_names import SERVICE_NAME
+from fedsynth.generation.generator_client import GeneratorInfo
+from fedsynth.generation.generator_names import SERVICE_NAME
 from fedsynth.v1 import generator_pb2, generator_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from generator_service import serve_cmd

@@ -13,8 +13,8 @@ from coordinator import checkpoint
 from fedsynth.algorithms import get_algorithm, snapshot_state
 from fedsynth.assembly import client_shard, local_train_config, round_generator
 from fedsynth.config import RunConfig
-from fedsynth.models import build_model
-from fedsynth.training import TrainData, images_to_tensor
+from fedsynth.learning.models import build_model
+from fedsynth.learning.training import TrainData, images_to_tensor
 from runtime_harness import Runtime, config, read_record, wait_exit, watch_rounds
 
 E2E_RUN: dict[str, Any] = {"seed": 3, "data.clients": 3, "train.rounds": 2, "train.local_epochs": 3}

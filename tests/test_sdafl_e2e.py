@@ -11,9 +11,9 @@ import pytest
 from sklearn.linear_model import LogisticRegression
 
 from coordinator import checkpoint
-from fedsynth import codec
-from fedsynth.data import load_dataset
-from fedsynth.transfer import receive_inline
+from fedsynth.wire import codec
+from fedsynth.learning.data import load_dataset
+from fedsynth.wire.transfer import receive_inline
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 from runtime_harness import Runtime, channel, config, read_record, wait_exit

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedsynth.data import load_dataset
+from fedsynth.learning.data import load_dataset
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "subset_dataset.py"
 

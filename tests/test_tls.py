@@ -17,9 +17,10 @@ from google.protobuf.descriptor import Descriptor
 
 from coordinator.server import CLAIMED_CLIENT_ID
 from deploy.processes import Child, ProcessGroup, fedsynth_command, wait_for_file
-from fedsynth import cli, data_plane, grpcutil, tls
+from fedsynth import cli
+from fedsynth.wire import data_plane, grpcutil, tls
 from fedsynth.errors import ConfigError
-from fedsynth.generator_client import GeneratorInfo
+from fedsynth.generation.generator_client import GeneratorInfo
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 from generator_service.ddpm.model import GeneratorMetadata, build_unet, make_train_scheduler, save_generator

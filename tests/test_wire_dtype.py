@@ -17,14 +17,14 @@ import torch
 from coordinator import checkpoint
 from coordinator.updates import local_state, receive_update
 from deploy.processes import fedsynth_command
-from fedsynth import codec, wire_dtype
+from fedsynth.wire import codec, wire_dtype
 from fedsynth.algorithms.base import Aggregator
 from fedsynth.algorithms.scaffold import ScaffoldAggregator
 from fedsynth.config import load_config
 from fedsynth.errors import ConfigError, WireError
-from fedsynth.models import build_model
-from fedsynth.tensor_buffer import encode_to_buffer
-from fedsynth.transfer import chunk_views, describe_buffer
+from fedsynth.learning.models import build_model
+from fedsynth.wire.tensor_buffer import encode_to_buffer
+from fedsynth.wire.transfer import chunk_views, describe_buffer
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 from runtime_harness import Runtime, channel, overrides, wait_until

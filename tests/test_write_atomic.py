@@ -1,4 +1,4 @@
-"""fedsynth.runtime.write_atomic: text, bytes, a streamed file or a folder replace a path whole, or not at all."""
+"""fedsynth.process.runtime.write_atomic: text, bytes, a streamed file or a folder replace a path whole, or not at all."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fedsynth.runtime import write_atomic
+from fedsynth.process.runtime import write_atomic
 
 
 def test_text_and_bytes_replace_the_file_and_leave_nothing_beside_it(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ chunk, stamps it with `arrival + delay` and queues it; its writer sends each chu
 never waits for writing, so the stream stays pipelined: a byte is late by the delay (plus the receiver's own
 backpressure), never by the bytes ahead of it. Half-closes are forwarded after the same delay. SIGTERM or
 SIGINT stops the listener, drops the open connections and exits 0. It imports the standard library and
-fedsynth.runtime only (itself standard library only), so it starts fast.
+fedsynth.process.runtime only (itself standard library only), so it starts fast.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import signal
 import sys
 from pathlib import Path
 
-from fedsynth.runtime import write_atomic
+from fedsynth.process.runtime import write_atomic
 
 log = logging.getLogger("delay_relay")
 

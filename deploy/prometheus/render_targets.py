@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from fedsynth.errors import ConfigError
-from fedsynth.runtime import write_atomic
+from fedsynth.process.runtime import write_atomic
 
 ROLES = ("coordinator", "client", "generator")
 # The scrape job of each role in prometheus.yml; its file_sd file is targets/<role>.json.

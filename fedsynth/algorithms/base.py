@@ -15,11 +15,11 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from fedsynth.codec import all_finite
+from fedsynth.wire.codec import all_finite
 from fedsynth.config_schema import check_parameter
 from fedsynth.errors import WireError
-from fedsynth.tensor_buffer import fresh_buffer
-from fedsynth.training import LocalTrainConfig, TrainData
+from fedsynth.wire.tensor_buffer import fresh_buffer
+from fedsynth.learning.training import LocalTrainConfig, TrainData
 
 StateDict = dict[str, torch.Tensor]
 FOLD_SCRATCH_ELEMENTS = 1 << 20  # 8 MiB of float64: an update is upcast this much at a time, by each folding thread
@@ -202,7 +202,7 @@ def fold(sums: StateDict, values: StateDict, weight: float, scratches: Sequence[
     sum, so the same bits whoever adds which group (ResNet-18 on two idle cores: 11 ms instead of 17).
 
     Why not one torch._foreach_add_ of the values as they are: torch upcasts each into a temporary the size of the
-    tensor, and where large blocks are fresh mappings (fedsynth.allocator, the coordinator) every temporary faults its
+    tensor, and where large blocks are fresh mappings (fedsynth.process.allocator, the coordinator) every temporary faults its
     pages in: ResNet-18's fold took 34 ms that way (benchmarks/fold.py). Why not one call per tensor: see
     codec.all_finite_many. A float16 update is never held as float32 or float64 as a whole."""
     groups = _groups(sums, values, scratches[0].numel())

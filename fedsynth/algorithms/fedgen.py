@@ -1,6 +1,6 @@
 """FedGen (Zhu, Hong, Zhou, ICML 2021; the authors' code: zhuangdizhu/FedGen, userpFedGen.py / serverpFedGen.py).
 
-The server keeps a conditional generator G(eps, y) in the model's feature space (fedsynth.fedgen_generator) and,
+The server keeps a conditional generator G(eps, y) in the model's feature space (fedsynth.learning.fedgen_generator) and,
 after each round's FedAvg, trains it against the received clients' heads weighted per class by their label counts
 (coordinator.fedgen_server). Its weights, the global label distribution and the round's regularizer scale are the
 server state and travel to the clients as the task's "extra" group. A client adds the authors' two regularizers to
@@ -29,10 +29,10 @@ from torch import nn
 
 from fedsynth.algorithms.base import Aggregator, ClientUpdate, StateDict, check_parameters, snapshot_state
 from fedsynth.errors import WireError
-from fedsynth.fedgen_generator import FeatureGenerator
-from fedsynth.training import LocalTrainConfig, TrainData, run_local_sgd
+from fedsynth.learning.fedgen_generator import FeatureGenerator
+from fedsynth.learning.training import LocalTrainConfig, TrainData, run_local_sgd
 
-HEAD_PREFIXES = ("classifier.", "net.fc.")  # fedsynth.models: SmallCNN's head, CifarResNet18's head
+HEAD_PREFIXES = ("classifier.", "net.fc.")  # fedsynth.learning.models: SmallCNN's head, CifarResNet18's head
 GEN = "generator."
 MIN_SCALE = 1e-4
 

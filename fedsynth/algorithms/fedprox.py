@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedsynth.algorithms.base import ClientUpdate, StateDict, WeightedMeanServer, check_parameters, snapshot_state
-from fedsynth.training import LocalTrainConfig, TrainData, run_local_sgd
+from fedsynth.learning.training import LocalTrainConfig, TrainData, run_local_sgd
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedsynth.algorithms.base import ClientUpdate, StateDict, WeightedMeanServer, check_parameters, snapshot_state
-from fedsynth.training import LocalTrainConfig, TrainData, run_local_sgd
+from fedsynth.learning.training import LocalTrainConfig, TrainData, run_local_sgd
 
 
 def contrastive_loss(z: torch.Tensor, z_global: torch.Tensor, z_previous: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -33,7 +33,7 @@ def _frozen_copy(model: nn.Module, state: StateDict | None = None) -> nn.Module:
 class Moon(WeightedMeanServer):
     """loss = CE(head(z), y) + mu * contrastive(z, z_global, z_previous) with z = model.features(x).
 
-    With `projection_dim` > 0 the run's model is a ProjectedModel (fedsynth.models): z is the output of the
+    With `projection_dim` > 0 the run's model is a ProjectedModel (fedsynth.learning.models): z is the output of the
     authors' projection MLP on the base representation and the classifier reads z, as in their code.
 
     The global model (the weights the round started from) and the client's previous local model

@@ -17,7 +17,7 @@ from fedsynth.algorithms.base import (
     snapshot_state,
 )
 from fedsynth.errors import ConfigError, WireError
-from fedsynth.training import LocalTrainConfig, TrainData, run_local_sgd
+from fedsynth.learning.training import LocalTrainConfig, TrainData, run_local_sgd
 
 
 def effective_steps(steps: int, momentum: float) -> float:

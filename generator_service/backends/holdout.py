@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fedsynth.data import load_dataset
+from fedsynth.learning.data import load_dataset
 from fedsynth.errors import ConfigError
-from fedsynth.partition import holdout_split
+from fedsynth.learning.partition import holdout_split
 from generator_service.backends import BackendDescription, BackendSettings, BackendSpec, Unservable
 
 if TYPE_CHECKING:

@@ -75,7 +75,7 @@ def class_names(dataset: str, *, data_dir: Path | None = None,
         if names_file is None:
             raise ConfigError(f"--backend text2image with --dataset {dataset} needs --class-names-file "
                               "(generation.class_names_file): one class name per line")
-        from fedsynth.data import load_dataset
+        from fedsynth.learning.data import load_dataset
 
         data = load_dataset(dataset, "train", data_dir=data_dir)
         names, shape = read_class_names(names_file, data.num_classes), data.image_shape

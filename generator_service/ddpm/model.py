@@ -13,8 +13,8 @@ from diffusers import DDPMScheduler, UNet2DModel
 
 from fedsynth.config_schema import GENERATOR_SIZES, require_names
 from fedsynth.errors import ConfigError
-from fedsynth.generator_names import METADATA_FILE
-from fedsynth.runtime import write_atomic
+from fedsynth.generation.generator_names import METADATA_FILE
+from fedsynth.process.runtime import write_atomic
 
 WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
 METADATA_FORMAT = 1

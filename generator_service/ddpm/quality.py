@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from sklearn.linear_model import LogisticRegression
 
-from fedsynth.data import load_dataset
+from fedsynth.learning.data import load_dataset
 from generator_service.ddpm.grid import sample_per_class
 from generator_service.ddpm.model import load_generator
 from generator_service.ddpm.sampling import DdimSampler, SamplingConfig, resolve_device

@@ -19,9 +19,10 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from fedsynth.config_schema import GENERATOR_TRAIN_LR
-from fedsynth.data import DATASETS, load_dataset
+from fedsynth.config_schema import DATASETS
+from fedsynth.learning.data import load_dataset
 from fedsynth.errors import ConfigError
-from fedsynth.runtime import write_atomic
+from fedsynth.process.runtime import write_atomic
 from generator_service.ddpm.grid import save_class_grid
 from generator_service.ddpm.loss_guard import LossGuard, TrainingDiverged
 from generator_service.ddpm.model import (

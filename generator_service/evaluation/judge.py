@@ -26,11 +26,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from fedsynth.data import ArrayDataset, load_dataset
+from fedsynth.learning.data import ArrayDataset, load_dataset
 from fedsynth.errors import ConfigError
-from fedsynth.models import build_model
-from fedsynth.runtime import write_atomic
-from fedsynth.training import LocalTrainConfig, TrainData, evaluate, images_to_tensor, run_local_sgd
+from fedsynth.learning.models import build_model
+from fedsynth.process.runtime import write_atomic
+from fedsynth.learning.training import LocalTrainConfig, TrainData, evaluate, images_to_tensor, run_local_sgd
 from generator_service.evaluation.metrics import FeatureStats, feature_stats
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from fedsynth.data import ArrayDataset, load_dataset
+from fedsynth.learning.data import ArrayDataset, load_dataset
 from generator_service.evaluation.judge import Judge, accuracy, describe, train_classifier
 from generator_service.evaluation.metrics import confusion, feature_stats, frechet_to, recognizability
 from generator_service.evaluation.sources import GeneratedImages

@@ -10,9 +10,9 @@ import grpc
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from fedsynth import grpcutil
+from fedsynth.wire import grpcutil
 from fedsynth.errors import ConfigError
-from fedsynth.generator_client import GeneratorInfo, fetch_images
+from fedsynth.generation.generator_client import GeneratorInfo, fetch_images
 
 INFO_TIMEOUT_S = 60.0  # a generator still loading answers UNAVAILABLE meanwhile
 

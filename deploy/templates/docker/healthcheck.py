@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedsynth.errors import FedsynthError
-from fedsynth.tls import TLSFiles, channel_credentials
+from fedsynth.wire.tls import TLSFiles, channel_credentials
 
 HEALTHY, NOT_SERVING, NO_ANSWER, USAGE = 0, 1, 2, 3
 OPERATOR = "operator"  # the node id whose pair (operator.pem, operator-key.pem) the probe presents

@@ -18,7 +18,7 @@ One request per connection; integers little-endian; a status is a grpc.StatusCod
 
 The ticket is a secret of one client's task, sent down its (authenticated) dispatch stream; with mutual TLS the
 connection's certificate must also be that client's. No pickle, no torch.load: bytes land in one buffer that
-fedsynth.tensor_buffer decodes as views.
+fedsynth.wire.tensor_buffer decodes as views.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import grpc
 import torch
 import xxhash
 
-from fedsynth.codec import CHUNK_BYTES, MAX_PAYLOAD_BYTES, PayloadMeta
+from fedsynth.wire.codec import CHUNK_BYTES, MAX_PAYLOAD_BYTES, PayloadMeta
 from fedsynth.errors import WireError
-from fedsynth.tensor_buffer import fresh_buffer
-from fedsynth.transfer import PreparedPayload, byte_view
+from fedsynth.wire.tensor_buffer import fresh_buffer
+from fedsynth.wire.transfer import PreparedPayload, byte_view
 
 MAGIC = b"FSD2"  # FSD1 (2026-12-04) carried a 32-byte BLAKE3 digest
 FETCH, SUBMIT = 1, 2

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import numpy as np
 
+from fedsynth.config_schema import DATASETS
 from fedsynth.errors import DataError
 
 NUM_CLASSES = {"digits": 10, "cifar10": 10, "cifar100": 100}
-DATASETS = ("digits", "cifar10", "cifar100", "npz")
 SPLITS = ("train", "test")
 # digits ships as one array; this fixed split (independent of any run seed) gives every node the same test set.
 DIGITS_TEST_FRACTION = 0.2

@@ -106,7 +106,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
 def decode_views(buffer: torch.Tensor) -> dict[str, torch.Tensor]:
     """The tensors a safetensors buffer (uint8, 1-D) holds, as views of it; WireError naming what is malformed."""
     if sys.byteorder != "little":  # views would read little-endian data as native: let safetensors convert
-        from fedsynth.codec import decode
+        from fedsynth.wire.codec import decode
 
         return decode(bytes(buffer.numpy()))
     entries, start = _entries(buffer)

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from fedsynth.codec import CHUNK_BYTES, MAX_PAYLOAD_BYTES, PayloadMeta, num_chunks
+from fedsynth.wire.codec import CHUNK_BYTES, MAX_PAYLOAD_BYTES, PayloadMeta, num_chunks
 from fedsynth.errors import WireError
-from fedsynth.raw_messages import chunk_message
-from fedsynth.tensor_buffer import fresh_buffer
+from fedsynth.wire.raw_messages import chunk_message
+from fedsynth.wire.tensor_buffer import fresh_buffer
 
 
 def byte_view(buffer: torch.Tensor) -> memoryview:
@@ -44,7 +44,7 @@ def chunk_messages(buffer: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> Iter
 @dataclass(frozen=True)
 class PreparedPayload:
     """A payload ready for any number of receivers: its description and its chunk messages, serialized once; or, for
-    the data plane (fedsynth.data_plane.prepare), the buffer itself and its checksum, with no chunk messages."""
+    the data plane (fedsynth.wire.data_plane.prepare), the buffer itself and its checksum, with no chunk messages."""
 
     meta: PayloadMeta
     messages: tuple[bytes, ...]

@@ -90,8 +90,8 @@ def _read_counts_file(path: str) -> Source:
 
 
 def _partition_counts(args: argparse.Namespace) -> Source:
-    from fedsynth.data import load_labels, num_classes
-    from fedsynth.partition import label_counts, partition
+    from fedsynth.learning.data import load_labels, num_classes
+    from fedsynth.learning.partition import label_counts, partition
 
     clients = 20 if args.clients is None else args.clients
     alpha = 0.1 if args.alpha is None else args.alpha
@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     rule = {"exponent": args.exponent, "entropy_factor": args.entropy_factor}
     plan = build_plan(source.counts, args.policy, beta, args.budget, **rule)
     if args.plot is not None:
-        from fedsynth.plan_plots import write_plan_figures
+        from fedsynth.plan.plan_plots import write_plan_figures
 
         written = write_plan_figures(source.counts, beta, Path(args.plot), **rule)
         plan["plots"] = [str(path) for path in written]

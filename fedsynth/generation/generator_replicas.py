@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from fedsynth import grpcutil
+from fedsynth.wire import grpcutil
 from fedsynth.config import generator_addresses
 from fedsynth.errors import ConfigError, StopRequested, WireError
-from fedsynth.generator_client import INDEX_LIMIT, BatchCallback, GeneratorInfo, _check_counts, fetch_images, on_stop
+from fedsynth.generation.generator_client import INDEX_LIMIT, BatchCallback, GeneratorInfo, _check_counts, fetch_images, on_stop
 from fedsynth.v1 import generator_pb2, generator_pb2_grpc
 
 log = logging.getLogger(__name__)

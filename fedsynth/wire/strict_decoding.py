@@ -4,7 +4,7 @@ grpcio answers a request that its deserializer cannot parse with INTERNAL ("Exce
 request!") before any servicer code runs. `add_strictly` registers a generated servicer with
 deserializers that never raise: a malformed message reaches a thin wrapper, which aborts the call
 with INVALID_ARGUMENT and a message naming the type and the parse error. On the way out, a servicer may yield
-messages it serialized beforehand (bytes; fedsynth.raw_messages): they are sent as they are.
+messages it serialized beforehand (bytes; fedsynth.wire.raw_messages): they are sent as they are.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from fedsynth.raw_messages import passthrough
+from fedsynth.wire.raw_messages import passthrough
 
 
 @dataclass(frozen=True)

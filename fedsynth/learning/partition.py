@@ -10,7 +10,7 @@ import numpy as np
 
 from fedsynth.config import DataConfig, RunConfig
 from fedsynth.config_schema import PARTITIONS
-from fedsynth.data import load_labels
+from fedsynth.learning.data import load_labels
 from fedsynth.errors import ConfigError, DataError
 
 MAX_REDRAWS = 1_000  # each draw is cheap, but an infeasible setting must fail in seconds, not spin

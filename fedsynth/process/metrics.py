@@ -18,8 +18,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
 
 from fedsynth.errors import ConfigError
-from fedsynth.runtime import write_atomic
-from fedsynth.tls import LOOPBACK, AuthenticationError, RevocationList, TLSFiles, identity_of, is_loopback, ssl_server_context
+from fedsynth.process.runtime import write_atomic
+from fedsynth.wire.tls import LOOPBACK, AuthenticationError, RevocationList, TLSFiles, identity_of, is_loopback, ssl_server_context
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fedsynth.codec import Layout
+from fedsynth.wire.codec import Layout
 from fedsynth.config_schema import WIRE_DTYPES
 
 StateDict = dict[str, torch.Tensor]

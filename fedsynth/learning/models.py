@@ -128,7 +128,7 @@ _BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "cnn": _cnn,
     "resnet18": _resnet18,
 }
-require_names("fedsynth.models' builders", _BUILDERS, MODELS)
+require_names("fedsynth.learning.models' builders", _BUILDERS, MODELS)
 
 
 def build_model(name: str, *, num_classes: int, in_channels: int, image_size: int) -> nn.Module:

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from fedsynth import grpcutil
+from fedsynth.wire import grpcutil
 from fedsynth.errors import ConfigError, StopRequested, WireError
-from fedsynth.generator_names import SERVICE_NAME
+from fedsynth.generation.generator_names import SERVICE_NAME
 from fedsynth.v1 import generator_pb2, generator_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -43,15 +43,17 @@ def _require(ok: bool, message: str) -> None:
 
 @dataclass(frozen=True)
 class DataConfig(Section):
+    """The dataset and how it is split among the clients."""
+
     SECTION: ClassVar[str] = "data"
-    dataset: str = "digits"
-    data_dir: str | None = None
-    download: bool = False
-    clients: int = 10
-    partition: str = "dirichlet"
-    alpha: float = 0.1
-    min_size: int = 10
-    holdout_fraction: float = 0.0
+    dataset: str = "digits"  # digits is embedded (no download); cifar10/cifar100/npz read data_dir
+    data_dir: str | None = None  # the dataset's folder (npz: train.npz and test.npz)
+    download: bool = False  # let torchvision download CIFAR into data_dir when it is missing there
+    clients: int = 10  # K, the number of clients the training split is divided among
+    partition: str = "dirichlet"  # how labels are split: Dirichlet(alpha) label skew, or iid
+    alpha: float = 0.1  # the Dirichlet concentration: smaller is more skewed (the paper: 0.05, 0.1, 0.3)
+    min_size: int = 10  # the Dirichlet split is redrawn until every client holds at least this many samples
+    holdout_fraction: float = 0.0  # share of each class set aside before partitioning (the holdout backend serves it)
 
     def check(self) -> None:
         self.one_of("dataset", DATASETS)
@@ -65,20 +67,22 @@ class DataConfig(Section):
 
 @dataclass(frozen=True)
 class TrainConfig(Section):
+    """The model, the federated algorithm and local training."""
+
     SECTION: ClassVar[str] = "train"
-    model: str = "cnn"
-    algorithm: str = "fedavg"
-    rounds: int = 20
-    fraction: float = 1.0
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    batch_size: int = 32
-    local_epochs: int = 5
-    max_steps: int | None = None
-    augment: bool = False
-    eval_batch_size: int = 512
-    algorithm_params: dict[str, int | float] = field(default_factory=dict)
+    model: str = "cnn"  # the global model: a small CNN, or the CIFAR ResNet-18
+    algorithm: str = "fedavg"  # the federated algorithm (docs/algorithms.md); FedEAS is generation.policy
+    rounds: int = 20  # T, communication rounds
+    fraction: float = 1.0  # share of the clients sampled each round
+    lr: float = 0.05  # clients' SGD learning rate
+    momentum: float = 0.9  # clients' SGD momentum
+    weight_decay: float = 0.0  # clients' SGD weight decay
+    batch_size: int = 32  # local training batch size
+    local_epochs: int = 5  # E, passes over a client's (real + synthetic) data each round
+    max_steps: int | None = None  # cap on a client's optimizer steps a round (0: training off, for benchmarks)
+    augment: bool = False  # random crop and horizontal flip of local training batches
+    eval_batch_size: int = 512  # batch size of the coordinator's test pass
+    algorithm_params: dict[str, int | float] = field(default_factory=dict)  # the algorithm's parameters by name
 
     def check(self) -> None:
         self.one_of("model", MODELS)
@@ -93,21 +97,23 @@ class TrainConfig(Section):
 
 @dataclass(frozen=True)
 class GenerationConfig(Section):
+    """Synthetic data: the allocation policy (where to generate) and the generator that draws the images."""
+
     SECTION: ClassVar[str] = "generation"
-    policy: str = "fedeas"  # the embedded default run is FedEAS; "none" is plain federated training
-    beta: float = 12.0
-    budget: int | None = None
-    backend: str = "ddpm"
+    policy: str = "fedeas"  # where to generate: FedEAS (the default), a matched baseline, or none (plain FL)
+    beta: float = 12.0  # FedEAS's budget scale in b_k (the paper: 12)
+    budget: int | None = None  # uniform / missing: total images B (unset: matched to FedEAS's total at beta)
+    backend: str = "ddpm"  # what the generator serves: a trained DDPM, real held-out images, or a text2image pipeline
     model_dir: str | None = None  # ddpm: a trained folder (None: train on first use); text2image: a saved pipeline
     # A running generator: HOST:PORT, replicas as HOST:PORT,HOST:PORT,... (requests sharded across them), or
     # dns:///NAME:PORT (every address NAME resolves to, round_robin); None lets the launcher start one.
     generator: str | None = None
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE  # text2image: {name} is the class name
     class_names_file: str | None = None  # text2image: one class name per line (needed for npz)
-    ddim_steps: int = 10
+    ddim_steps: int = 10  # sampling steps (text2image: the pipeline's num_inference_steps)
     guidance: float = 1.0  # w of classifier-free guidance; docs/generator.md: w = 3 collapses the tiny digits model
     train_steps: int = 1500  # for a generator the launcher trains on first use
-    size: str = "tiny"
+    size: str = "tiny"  # the UNet size the launcher trains on first use (docs/generator.md)
     exponent: float = 0.5  # b_k grows as (N_k / C)^exponent: 0.5 the paper's sqrt, 1.0 its linear ablation (Table 2)
     entropy_factor: bool = True  # false drops (1 - H_k / ln C) from b_k: the paper's entropy ablation (Table 2)
     # The quality filter: the generator serves only images its judge assigns to their class with at least this
@@ -174,18 +180,18 @@ class SdaflConfig(Section):
     mixup_alpha: float = 1.0  # lambda ~ Beta(a, a)
     gan_steps: int = 100  # generator iterations of each client's WGAN-GP
     gan_batch_size: int = 32  # expected (Poisson) real batch size of the critic
-    gan_latent_dim: int = 32
-    gan_width: int = 32
+    gan_latent_dim: int = 32  # the DP-GAN generator's noise dimension
+    gan_width: int = 32  # channel width of the DP-GAN's generator and critic
     gan_lr: float = 1e-4  # Adam (0.5, 0.9) as in WGAN-GP; 1e-3 trains far faster for tiny CPU-sized GANs
     secure_noise: bool = False  # True: unpredictable DP noise (Opacus secure_mode); runs stop being reproducible
     target_epsilon: float = 10.0  # 0: no target, use noise_multiplier as given
-    noise_multiplier: float = 1.0
+    noise_multiplier: float = 1.0  # DP-SGD noise on the critic when target_epsilon is 0
     delta: float = 0.0  # 0: 1 / N_k^1.1 for each client
-    max_grad_norm: float = 1.0
-    accountant: str = "rdp"
+    max_grad_norm: float = 1.0  # per-sample gradient clipping norm of the critic
+    accountant: str = "rdp"  # the Opacus privacy accountant
     server_steps: int = 20  # global-model steps on the labelled synthetic set after each aggregation
-    server_lr: float = 0.01
-    server_batch_size: int = 64
+    server_lr: float = 0.01  # the server's SGD lr on the synthetic set
+    server_batch_size: int = 64  # the server's batch size on the synthetic set
     track_agreement: bool = True  # measure pseudo-label agreement with a centrally trained reference classifier
 
     def check(self) -> None:
@@ -202,15 +208,17 @@ class SdaflConfig(Section):
 
 @dataclass(frozen=True)
 class RuntimeConfig(Section):
+    """Processes, deadlines and the transport; none of these keys changes a run's results (but wire_dtype)."""
+
     SECTION: ClassVar[str] = "runtime"
-    host: str = "127.0.0.1"
-    coordinator_port: int = 0
-    round_timeout_s: float = 600.0
-    quorum: float = 0.5
-    registration_timeout_s: float = 300.0
-    rejoin_grace_s: float = 10.0
-    clients_per_process: int = 1
-    torch_threads: int = 1
+    host: str = "127.0.0.1"  # address the launcher's coordinator and generator bind and its clients dial
+    coordinator_port: int = 0  # the coordinator's gRPC port (0: a free one)
+    round_timeout_s: float = 600.0  # a round closes at this deadline with the answers of a quorum
+    quorum: float = 0.5  # share of the sampled clients (of all K at registration) a round needs
+    registration_timeout_s: float = 300.0  # how long a fresh run waits for all K clients to register
+    rejoin_grace_s: float = 10.0  # how long a round waits for a disconnected client to come back
+    clients_per_process: int = 1  # logical clients per client-node process the launcher starts
+    torch_threads: int = 1  # torch CPU threads in each process the launcher starts
     heartbeat_s: float = 2.0  # coordinator -> client stream heartbeats, and each client's Heartbeat RPC
     heartbeat_timeout_s: float = 6.0  # a connected client silent this long is dropped (its stream ended)
     overlap_evaluation: bool = True  # test round r's model while round r+1 trains (same results, less wall-clock)
@@ -219,7 +227,7 @@ class RuntimeConfig(Section):
     # "tcp": tasks' and updates' payloads of at least data_plane_min_bytes move over the coordinator's data plane (one
     # TCP or TLS connection per transfer, raw bytes, checksummed; docs/runtime.md), not as chunks on gRPC streams
     data_plane: str = "grpc"
-    data_plane_min_bytes: int = 4 << 20
+    data_plane_min_bytes: int = 4 << 20  # smaller payloads stay on gRPC under data_plane = "tcp"
 
     def check(self) -> None:
         self.non_empty("host", "tls_dir")
@@ -238,9 +246,11 @@ class RuntimeConfig(Section):
 
 @dataclass(frozen=True)
 class RunConfig(Section):
-    name: str = "default"
-    seed: int = 0
-    out_dir: str = "runs/default"
+    """A run: its name, seed and output folder, then one table per section."""
+
+    name: str = "default"  # a label for the run, recorded with its config
+    seed: int = 0  # fixes partitions, sampling, generation and training order
+    out_dir: str = "runs/default"  # where report.json, the checkpoint, plots and logs go
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)

@@ -13,7 +13,7 @@ from generator_service.ddpm.training import TrainConfig, train_generator
 
 @pytest.mark.slow
 def test_tiny_generator_trained_on_digits_draws_recognizable_digits(tmp_path: Path) -> None:
-    # 300 steps already give 0.999 recognizability (docs/generator.md, "Evaluate") in a fifth of the full recipe's time.
+    # 300 steps already give 0.999 recognizability (docs/results/generator-runs.md, "Evaluate") in a fifth of the full recipe's time.
     folder = train_generator(TrainConfig(dataset="digits", out=tmp_path / "gen", size="tiny", device="cpu", steps=300,
                                          threads=1, progress=False))
     report = classifier_check(folder, per_class=50, seed=1)

@@ -143,6 +143,8 @@ def describe_type(hint: Any) -> str:
         return f"{text}, optional" if len(options) < len(typing.get_args(hint)) else text
     if typing.get_origin(hint) is dict:
         return f"table of {describe_type(typing.get_args(hint)[1])}"
+    if typing.get_origin(hint) in (tuple, list):
+        return f"list of {describe_type(typing.get_args(hint)[0])}"
     return {bool: "boolean", int: "integer", float: "number", str: "string"}.get(hint, getattr(hint, "__name__", str(hint)))
 
 
@@ -153,6 +155,8 @@ def toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(toml_value(item) for item in value) + "]"
     if isinstance(value, dict):
         return "{}" if not value else "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
     if isinstance(value, float):

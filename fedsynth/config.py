@@ -208,7 +208,7 @@ class SdaflConfig(Section):
 
 @dataclass(frozen=True)
 class RuntimeConfig(Section):
-    """Processes, deadlines and the transport; none of these keys changes a run's results (but wire_dtype)."""
+    """Processes, addresses, deadlines and the transport."""
 
     SECTION: ClassVar[str] = "runtime"
     host: str = "127.0.0.1"  # address the launcher's coordinator and generator bind and its clients dial

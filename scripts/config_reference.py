@@ -164,9 +164,10 @@ def toml_value(value: Any) -> str:
     return repr(value)
 
 
-def field_comments(cls: type) -> dict[str, str]:
-    """Each field's comment: the one on its line, after the comment lines right above it (a blank line or code ends
-    those)."""
+def field_comments(cls: type, prefix: str = "") -> dict[str, str]:
+    """Each field's comment: the comment lines right above it (a blank line or code ends them), then the one on its
+    line. A field with neither, on the line right after a field with comment lines above it, shares those lines:
+    they describe a group of keys (e.g. a schema's classes, image size and channels)."""
     source = textwrap.dedent(inspect.getsource(cls))
     lines = source.splitlines()
     trailing: dict[int, str] = {}
@@ -179,17 +180,28 @@ def field_comments(cls: type) -> dict[str, str]:
     comments: dict[str, str] = {}
     class_node = ast.parse(source).body[0]
     assert isinstance(class_node, ast.ClassDef)
+    group: tuple[str, str, int] | None = None  # (first key, its comment lines, the last line of the group's last field)
     for statement in class_node.body:
-        if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
-            above = []
-            row = statement.lineno - 1
-            while row in standalone:
-                above.insert(0, standalone[row])
-                row -= 1
-            parts = [" ".join(above)] if above else []
-            if statement.lineno in trailing:
-                parts.append(trailing[statement.lineno])
-            comments[statement.target.id] = "; ".join(parts)
+        if not (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)):
+            group = None
+            continue
+        name = statement.target.id
+        above = []
+        row = statement.lineno - 1
+        while row in standalone:
+            above.insert(0, standalone[row])
+            row -= 1
+        own = [part for part in (" ".join(above), trailing.get(statement.lineno, "")) if part]
+        end = statement.end_lineno or statement.lineno
+        if own:
+            comments[name] = "; ".join(own)
+            group = (name, " ".join(above), end) if above else None
+        elif group is not None and statement.lineno == group[2] + 1:
+            comments[name] = f"With `{prefix}{group[0]}`: {group[1]}"
+            group = (group[0], group[1], end)
+        else:
+            comments[name] = ""
+            group = None
     return comments
 
 
@@ -222,7 +234,7 @@ def section_keys(cls: type, prefix: str) -> list[KeyDoc]:
     recorder = RuleRecorder(instance)
     cls.check(recorder)
     hints = typing.get_type_hints(cls)
-    comments = field_comments(cls)
+    comments = field_comments(cls, prefix)
     own_code = keys_checked_in_own_code(cls)
     docs = []
     for f in dataclasses.fields(cls):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,3 +88,25 @@ def test_a_value_outside_the_documented_range_is_refused_naming_the_key(key: str
     raw = {section: {name: value}} if section else {name: value}
     with pytest.raises(ConfigError, match=f"^{key.replace('.', '[.]')}"):
         from_dict(raw)
+
+
+@dataclass(frozen=True)
+class Commented:
+    first: int = 1  # its own comment
+    # One comment for a group of keys:
+    # it goes on over two lines.
+    grouped: int = 2
+    follower: int = 3
+
+    alone: int = 4
+    last: int = 5  # after a key without one
+
+
+def test_meanings_come_from_the_comment_beside_or_above_and_a_group_shares_its_comment() -> None:
+    assert reference.field_comments(Commented, "x.") == {
+        "first": "its own comment",
+        "grouped": "One comment for a group of keys: it goes on over two lines.",
+        "follower": "With `x.grouped`: One comment for a group of keys: it goes on over two lines.",
+        "alone": "",  # a blank line ends the group: the reference shows the placeholder
+        "last": "after a key without one",
+    }

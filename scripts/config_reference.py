@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fedsynth import config as config_module  # noqa: E402
-from fedsynth.config_schema import ALGORITHM_PARAMS, Bound  # noqa: E402
+from fedsynth.config_schema import ALGORITHM_PARAMS, Bound, Section  # noqa: E402
 
 OUT = ROOT / "docs" / "reference" / "config.md"
 NO_DESCRIPTION = "**(no description: add a comment beside this field in fedsynth/config.py)**"
@@ -43,6 +43,9 @@ EXTRA_RULES = {
     "runtime.heartbeat_s": "at most half of runtime.heartbeat_timeout_s",
     "runtime.heartbeat_timeout_s": ">= 2 x runtime.heartbeat_s",
 }
+
+
+NOT_RULES = {"key", "check", "_fail"}  # Section methods that state no range
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +89,9 @@ class RuleRecorder:
         self.rules: dict[str, list[Rule]] = defaultdict(list)
 
     def __getattr__(self, name: str) -> Any:
+        if name in vars(Section) and callable(vars(Section)[name]) and name not in NOT_RULES:
+            raise NotImplementedError(f"Section.{name} is a range helper this script does not record yet: add it to "
+                                      "RuleRecorder in scripts/config_reference.py")
         return getattr(self._section, name)
 
     def at_least(self, low: float, *names: str) -> None:

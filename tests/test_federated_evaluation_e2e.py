@@ -1,6 +1,7 @@
 """A real run with federated evaluation (`fedsynth run`: coordinator and a client node as processes): report.json's
 federated figures equal a hand computation from the clients' counts, the counts are the final model's on each client's
-held-out examples, the worst client is named; and over raw gRPC, counts that do not add up are refused by name."""
+held-out examples, the worst client is named; and over raw gRPC, counts that do not add up are refused by name and a
+sampled client that vanishes without answering is left out instead of holding the run."""
 
 from __future__ import annotations
 
@@ -131,27 +132,36 @@ def result(session: str, task: pb.Task, **changes: Any) -> pb.EvaluationResult:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_counts_that_do_not_add_up_are_refused_by_name(tmp_path: Path) -> None:
-    settings = {"data.clients": 1, "train.rounds": 1, "train.evaluation": "federated", "runtime.round_timeout_s": 120.0}
+def test_counts_that_do_not_add_up_are_refused_by_name_and_a_vanished_evaluator_is_left_out(tmp_path: Path) -> None:
+    settings = {"data.clients": 2, "train.rounds": 1, "train.evaluation": "federated", "runtime.round_timeout_s": 120.0}
     with Runtime(tmp_path) as rt:
         coord = rt.coordinator(settings, tmp_path / "run")
         with channel(coord.address) as ch:
             stub = pb_grpc.CoordinatorStub(ch)
             spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=RPC_TIMEOUT_S, wait_for_ready=True)
-            session = stub.Register(pb.RegisterRequest(client_id=0, num_samples=100, run_id=spec.run_id), timeout=RPC_TIMEOUT_S).session
-            stream = stub.Subscribe(pb.SubscribeRequest(client_id=0, session=session), timeout=240)
-            task, groups = receive_task(stream)
+            sessions, streams, tasks = {}, {}, {}
+            for k in (0, 1):  # this test plays both clients
+                register = pb.RegisterRequest(client_id=k, num_samples=100, run_id=spec.run_id)
+                sessions[k] = stub.Register(register, timeout=RPC_TIMEOUT_S).session
+                streams[k] = stub.Subscribe(pb.SubscribeRequest(client_id=k, session=sessions[k]), timeout=240)
+            for k in (0, 1):
+                tasks[k] = receive_task(streams[k])
+            session, (task, groups) = sessions[0], tasks[0]
             assert not task.evaluate
             with pytest.raises(grpc.RpcError) as early:  # no evaluation is open before the round closes
                 stub.SubmitEvaluation(result(session, task), timeout=RPC_TIMEOUT_S)
             assert early.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not open" in early.value.details()
 
-            update = codec.encode(codec.join_prefixed(model=groups["model"]))
-            header = pb.UpdateHeader(client_id=0, session=session, round=1, task_id=task.task_id, train_samples=100,
-                                     payload=pb.Payload(total_bytes=len(update), sha256=codec.sha256(update)), inline_payload=update)
-            assert stub.SubmitUpdate(iter([pb.UpdateChunk(header=header)]), timeout=RPC_TIMEOUT_S).accepted
-            evaluation, model = receive_task(stream)
+            for k in (0, 1):
+                update = codec.encode(codec.join_prefixed(model=tasks[k][1]["model"]))
+                header = pb.UpdateHeader(client_id=k, session=sessions[k], round=1, task_id=tasks[k][0].task_id, train_samples=100,
+                                         payload=pb.Payload(total_bytes=len(update), sha256=codec.sha256(update)),
+                                         inline_payload=update)
+                assert stub.SubmitUpdate(iter([pb.UpdateChunk(header=header)]), timeout=RPC_TIMEOUT_S).accepted
+            evaluation, model = receive_task(streams[0])
             assert evaluation.evaluate and evaluation.round == 1 and set(model) == {"model"}  # the model alone
+            assert receive_task(streams[1])[0].evaluate
+            streams[1].cancel()  # client 1 vanishes without answering: the evaluation goes on without it
 
             refused = [
                 (result(session, evaluation, correct=6, class_correct=[2, 4] + [0] * 8), grpc.StatusCode.INVALID_ARGUMENT, "exceed"),
@@ -166,12 +176,14 @@ def test_counts_that_do_not_add_up_are_refused_by_name(tmp_path: Path) -> None:
                     stub.SubmitEvaluation(message, timeout=RPC_TIMEOUT_S)
                 assert refusal.value.code() == code and words in refusal.value.details(), refusal.value.details()
             assert stub.SubmitEvaluation(result(session, evaluation), timeout=RPC_TIMEOUT_S).accepted
-            with pytest.raises(grpc.RpcError) as twice:
+            with pytest.raises(grpc.RpcError) as twice:  # already answered (or, once concluded, no longer open)
                 stub.SubmitEvaluation(result(session, evaluation), timeout=RPC_TIMEOUT_S)
             assert twice.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert coord.wait(60) == 0, coord.log()[-3000:]
-            stream.cancel()
+            streams[0].cancel()
     rounds = wait_until(lambda: read_record(tmp_path / "run").get("rounds"), timeout_s=10, what="coordinator.json")
     figures = rounds[0]["federated_evaluation"]
+    assert figures["sampled"] == [0, 1] and list(figures["per_client"]) == ["0"]
     assert figures["per_client"]["0"]["examples"] == 5 and figures["weighted_accuracy"] == 0.6
     assert rounds[0]["accuracy"] == 0.6  # "federated": the round's accuracy is the clients'
+    assert "without clients [1]" in coord.log()

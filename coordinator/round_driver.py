@@ -333,7 +333,8 @@ class RoundDriver:
             self.state.history.append(summary)
             self.progress.publish(summary)
         self.metrics.observe_round(summary)
-        log.info("round %d: accuracy %s loss %s (%d/%d answered)", rnd.number, acc, loss, len(rnd.answered), len(rnd.sampled))
+        log.info("round %d: accuracy %s loss %s (%d/%d answered)", rnd.number, "n/a" if acc is None else f"{acc:.4f}",
+                 "n/a" if loss is None else f"{loss:.4f}", len(rnd.answered), len(rnd.sampled))
         if figures is not None:
             log.info("round %d: federated accuracy %s (weighted), mean %s, worst %s (client %s), p10 %s", rnd.number,
                      figures["weighted_accuracy"], figures["mean_accuracy"], figures["worst_accuracy"], figures["worst_client"],

@@ -37,6 +37,7 @@ class EvaluationRound:
     payload: PreparedPayload
     deadline: float
     counts: dict[int, EvaluationCounts] = field(default_factory=dict)
+    bytes_sent: int = 0  # the model, once per evaluation task queued (a rejoining evaluator's again)
 
     @property
     def pending(self) -> set[int]:
@@ -79,6 +80,7 @@ class FederatedEvaluator:
         return evaluation
 
     def _delivery(self, evaluation: EvaluationRound) -> TaskDelivery:
+        evaluation.bytes_sent += evaluation.payload.meta.total_bytes
         remaining = max(1.0, evaluation.deadline - time.monotonic())
         return TaskDelivery(evaluation.task_id, evaluation.number, remaining, [], evaluation.payload, evaluate=True)
 
@@ -119,4 +121,4 @@ class FederatedEvaluator:
             missing = sorted(evaluation.pending)
         if missing:
             log.warning("round %d: federated evaluation without clients %s (no answer)", evaluation.number, missing)
-        return summarize_round(evaluation.number, counts, sampled=evaluation.sampled)
+        return {**summarize_round(evaluation.number, counts, sampled=evaluation.sampled), "bytes_sent": evaluation.bytes_sent}

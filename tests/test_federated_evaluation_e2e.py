@@ -79,6 +79,10 @@ def test_federated_figures_equal_a_hand_computation_from_the_clients_counts(run_
             hits = sum(v["class_correct"][label] for v in clients.values())
             assert recall == (pytest.approx(hits / total) if total else None), label
     assert evaluations[0] != evaluations[1]  # two different models were tested
+    final = checkpoint.load(run_dir)
+    assert final is not None
+    model_bytes = len(codec.encode(codec.join_prefixed(model=final.global_state)))
+    assert [e["bytes_sent"] for e in evaluations] == [3 * model_bytes] * 2  # the model once to each evaluator
 
     markdown = (run_dir / "report.md").read_text()
     last = evaluations[-1]

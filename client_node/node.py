@@ -1,4 +1,5 @@
-"""One logical client: register, wait for pushed tasks, generate once, train, upload; reconnect when the link drops."""
+"""One logical client: register, wait for pushed tasks, generate once, train, upload (or test the global model on its
+local test set and send counts); reconnect when the link drops."""
 
 from __future__ import annotations
 
@@ -20,12 +21,21 @@ from client_node.metrics import ClientMetrics
 from client_node.sdafl_client import ensure_samples, upload
 from client_node.synthesis import SyntheticSet, fedeas_total, synthesize
 from fedsynth.wire import codec, data_plane, grpcutil, wire_dtype
-from fedsynth.assembly import algorithm_for, client_seed, client_shard, local_train_config, model_for, round_generator
+from fedsynth.assembly import (
+    algorithm_for,
+    client_seed,
+    client_shard,
+    local_test_split,
+    local_train_config,
+    model_for,
+    round_generator,
+)
 from fedsynth.config import RunConfig, from_json
 from fedsynth.errors import FedsynthError, StopRequested, WireError
 from fedsynth.wire.raw_messages import submit_update_call
 from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_OK
 from fedsynth.wire.tensor_buffer import decode_views, encode_parts, encode_to_buffer
+from fedsynth.learning.evaluation import count_predictions
 from fedsynth.learning.training import TrainData, images_to_tensor
 from fedsynth.wire.transfer import chunk_messages, describe_buffer, receive_inline, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
@@ -59,6 +69,7 @@ class ClientState:
     shared_images: np.ndarray | None = None  # SDA-FL: the coordinator's synthetic set, received once
     shared_digest: str = ""
     mean_pool: tuple[torch.Tensor, torch.Tensor] | None = None  # FedMix / NaiveMix: the pooled means, received once
+    test: TrainData | None = None  # federated evaluation: the local test set (never trained on, never sent)
 
 
 class RunEnded(Exception):
@@ -169,7 +180,10 @@ class LogicalClient:
                     raise RunEnded(message.finished.success, message.finished.reason, message.finished.exit_code)
                 if kind != "task":
                     raise WireError(f"expected a task header, got {kind}")
-                self._do_task(stub, reply.session, message.task, stream)
+                if message.task.evaluate:
+                    self._do_evaluation(stub, reply.session, message.task, stream)
+                else:
+                    self._do_task(stub, reply.session, message.task, stream)
         except grpc.RpcError as exc:
             if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return  # renew the dispatch stream
@@ -183,12 +197,13 @@ class LogicalClient:
             stream.cancel()
 
     def _prepare(self, cfg: RunConfig) -> ClientState:
-        shard = client_shard(cfg, self.client_id)
+        shard, test = local_test_split(cfg, self.client_id, client_shard(cfg, self.client_id))
         self.model = model_for(cfg, num_classes=shard.num_classes, in_channels=shard.image_shape[0], image_size=shard.image_shape[1])
         self.layout = codec.layout_of(self.model.state_dict())
         self.algorithm = algorithm_for(cfg)
         self.num_classes = shard.num_classes
-        return ClientState(cfg, shard.x, shard.y)
+        test_data = None if test is None else TrainData(images_to_tensor(test.x), torch.as_tensor(test.y, dtype=torch.int64))
+        return ClientState(cfg, shard.x, shard.y, test=test_data)
 
     # ---- one task ------------------------------------------------------------------------------
 
@@ -299,6 +314,32 @@ class LogicalClient:
         self.metrics.bytes_sent.inc(meta.total_bytes)
         self.metrics.rounds.inc()
         log.info("client %d: round %d done (%.1fs training, loss %.4f)", self.client_id, task.round, train_seconds, update.train_loss)
+
+    def _do_evaluation(self, stub: pb_grpc.CoordinatorStub, session: str, task: pb.Task, stream: Iterator[pb.ServerMessage]) -> None:
+        """Test the task's global model on the local test set; only the counts leave (docs/evaluation.md)."""
+        assert self.state is not None
+        global_state = self._receive_payload(task, stream).get("model", {})
+        codec.check_like(global_state, self.layout, what="global model to evaluate from the coordinator")
+        self.model.load_state_dict(global_state)  # the next training task loads its own global model
+        started = time.monotonic()
+        test = self.state.test  # None: a shard too small to hold any out; it reports 0 examples
+        if test is None:
+            test = TrainData(images_to_tensor(self.state.real_x[:0]), torch.zeros(0, dtype=torch.int64))
+        counts = count_predictions(self.model, test, self.num_classes, self.state.cfg.train.eval_batch_size)
+        result = pb.EvaluationResult(
+            client_id=self.client_id, session=session, round=task.round, task_id=task.task_id, examples=counts.examples,
+            correct=counts.correct, loss_sum=counts.loss_sum, class_correct=list(counts.class_correct),
+            class_total=list(counts.class_total), evaluate_seconds=time.monotonic() - started,
+        )
+        try:
+            grpcutil.call_with_retry(lambda: stub.SubmitEvaluation(result, timeout=RPC_TIMEOUT_S),
+                                     deadline_s=max(RPC_TIMEOUT_S, task.deadline_s), what=f"client {self.client_id} evaluation")
+        except grpc.RpcError as exc:
+            if not isinstance(exc, grpc.Call) or exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            log.warning("client %d: evaluation of round %d not taken: %s", self.client_id, task.round, exc.details())
+            return
+        log.info("client %d: round %d evaluated (%d of %d correct)", self.client_id, task.round, counts.correct, counts.examples)
 
     def _endpoint(self) -> data_plane.Endpoint:
         if self._data_plane is None:

@@ -37,6 +37,7 @@ from fedsynth.assembly import algorithm_for, model_for
 from fedsynth.config import RunConfig
 from fedsynth.learning.data import load_dataset
 from fedsynth.errors import StateError
+from fedsynth.learning.evaluation import EvaluationCounts
 from fedsynth.learning.training import TrainData, images_to_tensor
 from fedsynth.wire.transfer import PreparedPayload
 
@@ -113,6 +114,8 @@ class Federation:
             rnd = self.driver.current
             if rnd is not None and rnd.awaits(client_id):
                 outbox.put(self.driver.delivery(rnd, client_id))  # a client that rejoins mid-round gets its task again
+            if self.driver.federated is not None:
+                self.driver.federated.redeliver(client_id, outbox)
             return outbox
 
     def close_stream(self, client_id: int, outbox: queue.Queue[Any]) -> None:
@@ -158,6 +161,12 @@ class Federation:
 
     def unwatch(self, q: queue.Queue[dict[str, Any]]) -> None:
         self.progress.unwatch(q)
+
+    def accept_evaluation(self, client_id: int, session: str, round_number: int, task_id: str, counts: EvaluationCounts) -> None:
+        """Federated evaluation: one client's counts on its local test set."""
+        if self.driver.federated is None:
+            raise StateError(f"this run's train.evaluation is {self.cfg.train.evaluation!r}: the clients do not evaluate")
+        self.driver.federated.accept(client_id, session, round_number, task_id, counts)
 
     # ---- updates -----------------------------------------------------------------------------
 

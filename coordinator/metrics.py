@@ -1,4 +1,4 @@
-"""Prometheus metrics of the coordinator: rounds, phases, bytes, clients, global accuracy and loss."""
+"""Prometheus metrics of the coordinator: rounds, phases, bytes, clients, global accuracy and loss, federated accuracy."""
 
 from __future__ import annotations
 
@@ -39,6 +39,16 @@ class CoordinatorMetrics:
         self.accuracy = Gauge("fedsynth_coordinator_global_accuracy", "Test accuracy of the global model", **kw)
         self.loss = Gauge("fedsynth_coordinator_global_loss", "Test loss of the global model", **kw)
         self.current_round = Gauge("fedsynth_coordinator_round", "Last completed round", **kw)
+        self.federated_accuracy = Gauge(
+            "fedsynth_coordinator_federated_accuracy",
+            "Federated evaluation of the last evaluated round, over the sampled clients' local test sets: weighted "
+            "(by test examples), mean (unweighted over clients), worst (lowest client), p10 (10th percentile of clients)",
+            ["statistic"],
+            **kw,
+        )
+        self.federated_clients = Gauge(
+            "fedsynth_coordinator_federated_clients_evaluated", "Clients whose counts entered the last federated evaluation", **kw
+        )
 
     def observe_round(self, summary: dict[str, Any]) -> None:
         self.rounds_completed.inc()
@@ -46,6 +56,13 @@ class CoordinatorMetrics:
         for phase, seconds in summary["phases_s"].items():
             self.phase_duration.labels(phase=phase).observe(seconds)
         self.clients_participating.set(len(summary["participants"]))
-        self.accuracy.set(summary["accuracy"])
-        self.loss.set(summary["loss"])
+        if summary["accuracy"] is not None:  # None: evaluation "federated" and the clients did not test this round
+            self.accuracy.set(summary["accuracy"])
+            self.loss.set(summary["loss"])
         self.current_round.set(summary["round"])
+        figures = summary.get("federated_evaluation")
+        if figures is not None:
+            self.federated_clients.set(figures["clients"])
+            for statistic in ("weighted", "mean", "worst", "p10"):
+                if figures[f"{statistic}_accuracy"] is not None:
+                    self.federated_accuracy.labels(statistic=statistic).set(figures[f"{statistic}_accuracy"])

@@ -20,6 +20,7 @@ import torch
 
 from coordinator import checkpoint
 from coordinator.dispatch import Finished, TaskDelivery
+from coordinator.federated_evaluation import FederatedEvaluator
 from coordinator.fedgen_server import FedGenServer
 from coordinator.mean_pool import MeanDataPool
 from coordinator.metrics import CoordinatorMetrics
@@ -83,6 +84,9 @@ class RoundDriver:
         self.mean_pool = mean_pool
         self.fedgen = fedgen
         self.current: RoundInProgress | None = None
+        # train.evaluation "federated" / "both": the clients test closed rounds on their local test sets (counts only)
+        self.federated = FederatedEvaluator(cfg, lock, registry) if cfg.train.evaluation != "server" else None
+        self.server_evaluates = cfg.train.evaluation != "federated"
         # With overlap_evaluation, round r is tested (then checkpointed and published) on this thread while
         # round r+1 already trains: the clients never wait for the coordinator's test pass.
         self._evaluator = ThreadPoolExecutor(1, thread_name_prefix="evaluation") if cfg.runtime.overlap_evaluation else None
@@ -102,7 +106,7 @@ class RoundDriver:
     def run(self) -> None:
         """Play every remaining round; raises QuorumError when the run cannot go on."""
         try:
-            if self.state.completed == 0 and not self.state.initial:
+            if self.state.completed == 0 and not self.state.initial and self.server_evaluates:
                 # here, not before the server binds: ResNet-18 on CIFAR's 10,000 test images takes minutes on a CPU,
                 # while the clients load their data and register
                 loss, acc = evaluate(self.state.model, self.test_data, self.cfg.train.eval_batch_size)
@@ -291,8 +295,17 @@ class RoundDriver:
         """Test the round's model, then record, checkpoint and publish the round (rounds conclude in order)."""
         rnd = closed.rnd
         started = time.monotonic()
-        self._eval_model.load_state_dict(closed.saved.global_state, assign=True)  # shares the checkpoint's tensors
-        loss, acc = evaluate(self._eval_model, self.test_data, self.cfg.train.eval_batch_size)
+        federated = None
+        if self.federated is not None and self.federated.due(rnd.number):  # out first: the clients test while we do
+            federated = self.federated.start(rnd.number, closed.saved.global_state)
+        loss: float | None = None
+        acc: float | None = None
+        if self.server_evaluates:
+            self._eval_model.load_state_dict(closed.saved.global_state, assign=True)  # shares the checkpoint's tensors
+            loss, acc = evaluate(self._eval_model, self.test_data, self.cfg.train.eval_batch_size)
+        figures = self.federated.collect(federated) if self.federated is not None and federated is not None else None
+        if not self.server_evaluates and figures is not None:  # "federated": the round's accuracy is the clients'
+            loss, acc = figures["loss"], figures["weighted_accuracy"]
         phases = round_phases(rnd, closed.closed_at, time.monotonic() - started)
         summary = {
             "round": rnd.number,
@@ -306,6 +319,7 @@ class RoundDriver:
             "bytes_received": rnd.bytes_received,
             "train_loss": _finite_mean([a["train_loss"] for a in rnd.answered.values()]),
             **closed.sdafl_summary,
+            **({"federated_evaluation": figures} if figures is not None else {}),
         }
         # Only this thread appends to the history, so it may read it unlocked; the round enters the history (and
         # watchers hear of it) only once its checkpoint is on disk, both under the lock so no watcher sees it twice.
@@ -319,7 +333,12 @@ class RoundDriver:
             self.state.history.append(summary)
             self.progress.publish(summary)
         self.metrics.observe_round(summary)
-        log.info("round %d: accuracy %.4f loss %.4f (%d/%d answered)", rnd.number, acc, loss, len(rnd.answered), len(rnd.sampled))
+        log.info("round %d: accuracy %s loss %s (%d/%d answered)", rnd.number, "n/a" if acc is None else f"{acc:.4f}",
+                 "n/a" if loss is None else f"{loss:.4f}", len(rnd.answered), len(rnd.sampled))
+        if figures is not None:
+            log.info("round %d: federated accuracy %s (weighted), mean %s, worst %s (client %s), p10 %s", rnd.number,
+                     figures["weighted_accuracy"], figures["mean_accuracy"], figures["worst_accuracy"], figures["worst_client"],
+                     figures["p10_accuracy"])
 
     def _wait_for_answers(self, rnd: RoundInProgress) -> None:
         grace = self.cfg.runtime.rejoin_grace_s

@@ -18,6 +18,7 @@ from coordinator.receive_slots import SLOTTED_UPLOAD_BYTES, UPLOAD_SLOTS, Receiv
 from coordinator.updates import header_fields
 from fedsynth.wire import codec
 from fedsynth.errors import StateError, WireError
+from fedsynth.learning.evaluation import EvaluationCounts
 from fedsynth.wire.raw_messages import task_message
 from fedsynth.wire.transfer import receive_inline, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
@@ -56,7 +57,7 @@ def _payload_fields(header: Any) -> dict[str, Any]:
 def _task_messages(item: TaskDelivery) -> Iterator[pb.ServerMessage | bytes]:
     meta = pb.Payload(total_bytes=item.meta.total_bytes, sha256=item.meta.sha256, num_chunks=item.meta.num_chunks)
     task = pb.Task(round=item.round, task_id=item.task_id, deadline_s=item.deadline_s, generation_quota=item.quota, payload=meta,
-                   data_ticket=item.ticket)
+                   data_ticket=item.ticket, evaluate=item.evaluate)
     yield task_message(task.SerializeToString(), item.payload.inline)
     yield from item.payload.messages  # none for the data plane or inline; serialized once per round, passed as bytes
 
@@ -206,6 +207,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             _abort_for(context, exc)
         return pb.UploadReply(stored=stored)
 
+    def SubmitEvaluation(self, request: pb.EvaluationResult, context: grpc.ServicerContext) -> pb.SubmitReply:
+        try:
+            try:
+                counts = EvaluationCounts(request.examples, request.correct, request.loss_sum, tuple(request.class_correct),
+                                          tuple(request.class_total))
+            except ValueError as exc:
+                raise WireError(f"client {request.client_id}'s evaluation of round {request.round}: {exc}") from exc
+            self.federation.accept_evaluation(request.client_id, request.session, request.round, request.task_id, counts)
+        except (WireError, StateError) as exc:
+            log.warning("evaluation rejected: %s", exc)
+            _abort_for(context, exc)
+        return pb.SubmitReply(accepted=True)
+
     def WatchRounds(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.RoundSummary]:
         q = self.federation.watch()
         context.add_callback(lambda: self.federation.unwatch(q))
@@ -222,8 +236,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             yield pb.RoundSummary(
                 round=item["round"],
                 total_rounds=total,
-                accuracy=item["accuracy"],
-                loss=item["loss"],
+                accuracy=float("nan") if item["accuracy"] is None else item["accuracy"],  # a round nobody tested
+                loss=float("nan") if item["loss"] is None else item["loss"],
                 duration_s=item["duration_s"],
                 participants=len(item["participants"]),
             )

@@ -27,13 +27,14 @@ def run_metrics(run_dir: Path, last_n: int, threshold: float) -> dict[str, Any]:
         privacy = json.loads((run_dir / "coordinator.json").read_text()).get("sdafl") or {}
     except (OSError, json.JSONDecodeError):
         privacy = {}
-    curve = [float(r["accuracy"]) for r in report["rounds"]]
+    tested = [r for r in report["rounds"] if r["accuracy"] is not None]  # "federated" evaluation may skip rounds
+    curve = [float(r["accuracy"]) for r in tested]
     tail = curve[-last_n:]
-    reached = [r["round"] for r in report["rounds"] if r["accuracy"] >= threshold]
+    reached = [r["round"] for r in tested if r["accuracy"] >= threshold]
     return {
         "last_n_accuracy": sum(tail) / len(tail) if tail else None,
         "final_accuracy": curve[-1] if curve else None,
-        "rounds_completed": len(curve),
+        "rounds_completed": len(report["rounds"]),
         "rounds_to_threshold": reached[0] if reached else None,
         # synthetic images the method used: generated (FedEAS and baselines) or uploaded DP-GAN samples (SDA-FL)
         "budget": int(report["generation"]["total_images"]) + int(sum(p.get("samples", 0) for p in privacy.values())),

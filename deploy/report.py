@@ -22,7 +22,8 @@ def build_report(
     """generation.device_seconds is the generator's own sampling time (its Prometheus counter), when it ran; with the
     quality filter it includes the rejected candidates, and generation.quality_filter says how many there were."""
     rounds = coordinator.get("rounds", [])
-    accuracies = [r["accuracy"] for r in rounds]
+    # None: a round nobody tested (train.evaluation = "federated", off its eval_every)
+    accuracies = [r["accuracy"] for r in rounds if r["accuracy"] is not None]
     tail = accuracies[-LAST_N:]
     per_client = {cid: g for cid, g in coordinator.get("generation", {}).items()}
     phases = {phase: sum(r["phases_s"].get(phase, 0.0) for r in rounds) for phase in PHASES}
@@ -52,6 +53,9 @@ def build_report(
             }
             for r in rounds
         ],
+        "accuracy_source": "federated" if config.get("train", {}).get("evaluation") == "federated" else "server",
+        # each round's figures with its per-client counts, from which anyone can recompute them (docs/evaluation.md)
+        "federated_evaluation": [r["federated_evaluation"] for r in rounds if r.get("federated_evaluation")],
         "final_accuracy": accuracies[-1] if accuracies else None,
         "last20_mean_accuracy": sum(tail) / len(tail) if tail else None,
         "generation": {

@@ -13,6 +13,7 @@ from torch import nn
 from fedsynth.algorithms import Algorithm, get_algorithm
 from fedsynth.config import DataConfig, RunConfig
 from fedsynth.learning.data import ArrayDataset, load_dataset
+from fedsynth.learning.evaluation import DEFAULT_LOCAL_TEST_FRACTION, held_out_indices
 from fedsynth.errors import FedsynthError
 from fedsynth.learning.models import ProjectedModel, build_model
 from fedsynth.learning.partition import partition_for
@@ -56,6 +57,26 @@ def client_shard(cfg: RunConfig, client_id: int) -> ArrayDataset:
     """Client k's private shard, computed from (dataset, K, alpha, seed, k) alone; nodes on other machines agree."""
     train, parts = _partitioned(cfg.data, cfg.seed)
     return train.subset(parts[client_id])
+
+
+def local_test_fraction(cfg: RunConfig) -> float:
+    """The share of a shard held out for federated evaluation: data.local_test_fraction, or the documented default
+    when the clients evaluate and it is left at 0; 0 under server-only evaluation unless it is set."""
+    fraction = cfg.data.local_test_fraction
+    if fraction == 0 and cfg.train.evaluation != "server":
+        return DEFAULT_LOCAL_TEST_FRACTION
+    return fraction
+
+
+def local_test_split(cfg: RunConfig, client_id: int, shard: ArrayDataset) -> tuple[ArrayDataset, ArrayDataset | None]:
+    """(what client k trains on, its local test set or None): the seeded held-out part of its shard. The one place
+    that chooses a client's test examples (a client with a test folder of its own passes that instead).
+    At a fraction of 0 the shard is returned as it is: training data bit for bit as without federated evaluation."""
+    fraction = local_test_fraction(cfg)
+    if fraction == 0:
+        return shard, None
+    train, test = held_out_indices(len(shard.y), fraction, client_seed(cfg, client_id, "local-test") % (2**32))
+    return shard.subset(train), shard.subset(test)
 
 
 _split_lock = threading.Lock()

@@ -17,6 +17,7 @@ from fedsynth.config_schema import (
     ALGORITHMS,
     DATASETS,
     DATA_PLANES,
+    EVALUATIONS,
     GENERATOR_BACKENDS,
     GENERATOR_SIZES,
     MAX_EXPONENT,
@@ -33,6 +34,8 @@ PAPER_RULE = {"exponent": 0.5, "entropy_factor": True}  # FedEAS's b_k as the pa
 # Keys that came later (text2image's, the quality filter's): at these defaults, old fingerprints hold.
 LATER_GENERATION_KEYS = {"prompt_template": "a photo of a {name}", "class_names_file": None, "min_confidence": 0.0}
 DEFAULT_PROMPT_TEMPLATE = LATER_GENERATION_KEYS["prompt_template"]
+# Federated evaluation's keys (docs/evaluation.md): at these defaults (the coordinator tests alone), old fingerprints hold.
+LATER_EVALUATION_KEYS = {"data": {"local_test_fraction": 0.0}, "train": {"evaluation": "server", "eval_every": 1, "fraction_evaluate": 1.0}}
 MAX_SEED = 2**32 - 1  # torch, numpy and the derived per-client seeds all take it
 
 
@@ -54,6 +57,9 @@ class DataConfig(Section):
     alpha: float = 0.1  # the Dirichlet concentration: smaller is more skewed (the paper: 0.05, 0.1, 0.3)
     min_size: int = 10  # the Dirichlet split is redrawn until every client holds at least this many samples
     holdout_fraction: float = 0.0  # share of each class set aside before partitioning (the holdout backend serves it)
+    # The share of each client's shard it keeps out of training to test the global model on (federated evaluation);
+    # 0 with train.evaluation = "federated" or "both" means fedsynth.learning.evaluation.DEFAULT_LOCAL_TEST_FRACTION.
+    local_test_fraction: float = 0.0
 
     def check(self) -> None:
         self.one_of("dataset", DATASETS)
@@ -63,6 +69,7 @@ class DataConfig(Section):
         self.above(0, "alpha")
         self.at_least(0, "min_size")
         self.within("holdout_fraction", 0, 1, high_open=True)
+        self.within("local_test_fraction", 0, 1, high_open=True)
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,9 @@ class TrainConfig(Section):
     max_steps: int | None = None  # cap on a client's optimizer steps a round (0: training off, for benchmarks)
     augment: bool = False  # random crop and horizontal flip of local training batches
     eval_batch_size: int = 512  # batch size of the coordinator's test pass
+    evaluation: str = "server"  # "server": the coordinator's test set; "federated": the clients' local test sets; "both"
+    eval_every: int = 1  # federated evaluation after every eval_every-th round (and after the last)
+    fraction_evaluate: float = 1.0  # the share of the K clients sampled (seeded, per round) to evaluate
     algorithm_params: dict[str, int | float] = field(default_factory=dict)  # the algorithm's parameters by name
 
     def check(self) -> None:
@@ -89,6 +99,9 @@ class TrainConfig(Section):
         self.one_of("algorithm", ALGORITHMS)
         self.at_least(1, "rounds", "batch_size", "local_epochs", "eval_batch_size")
         self.within("fraction", 0, 1, low_open=True)
+        self.one_of("evaluation", EVALUATIONS)
+        self.at_least(1, "eval_every")
+        self.within("fraction_evaluate", 0, 1, low_open=True)
         self.above(0, "lr")
         self.within("momentum", 0, 1, high_open=True)
         self.at_least(0, "weight_decay", "max_steps")
@@ -277,6 +290,10 @@ class RunConfig(Section):
         for key, default in LATER_GENERATION_KEYS.items():  # keys that came later: at their defaults, old fingerprints hold
             if content["generation"][key] == default:
                 content["generation"].pop(key)
+        for section, defaults in LATER_EVALUATION_KEYS.items():
+            for key, default in defaults.items():
+                if content[section][key] == default:
+                    content[section].pop(key)
         for key, paper in PAPER_RULE.items():  # the ablation keys came later: at the paper's rule, old fingerprints hold
             if content["generation"][key] == paper:
                 content["generation"].pop(key)

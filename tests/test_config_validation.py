@@ -41,6 +41,7 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "data.alpha": ("float", [0, -0.1, 0.0]),
     "data.min_size": ("int", [-1]),
     "data.holdout_fraction": ("float", [-0.1, 1, 1.5]),
+    "data.local_test_fraction": ("float", [-0.1, 1, 1.5]),
     "train.model": ("str", ["resnet50", ""]),
     "train.algorithm": ("str", ["sgd", "FedAvg", ""]),
     "train.rounds": ("int", [0, -1]),
@@ -53,6 +54,9 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "train.max_steps": ("int?", [-1]),
     "train.augment": ("bool", []),
     "train.eval_batch_size": ("int", [0]),
+    "train.evaluation": ("str", ["clients", "Server", ""]),
+    "train.eval_every": ("int", [0, -2]),
+    "train.fraction_evaluate": ("float", [0, -0.5, 1.01]),
     "train.algorithm_params": ("table", [{"mu": 0.1}, {"lr": 1}]),  # the default fedavg takes no parameter
     "generation.policy": ("str", ["balanced", ""]),
     "generation.beta": ("float", [0, -12]),
@@ -414,6 +418,8 @@ def test_fedeas_ablation_keys_read_from_set_and_change_the_fingerprint_only_off_
     assert later in ({}, {"prompt_template": "a photo of a {name}", "class_names_file": None})  # text2image's, at defaults
     assert content["generation"].pop("min_confidence") == 0.0  # the quality filter's, off
     content["generation"].pop("evaluate_per_class")  # scoring the generator after the run: never in the fingerprint
+    assert content["data"].pop("local_test_fraction") == 0.0  # federated evaluation's keys, at their defaults
+    assert [content["train"].pop(key) for key in ("evaluation", "eval_every", "fraction_evaluate")] == ["server", 1, 1.0]
     assert paper.fingerprint() == hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
     fingerprints = {paper.fingerprint(), ablated.fingerprint(),
                     load_config(None, ["generation.exponent=1.0"]).fingerprint(),

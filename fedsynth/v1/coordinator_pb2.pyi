@@ -93,7 +93,7 @@ class Chunk(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("round", "task_id", "deadline_s", "generation_quota", "payload", "data_ticket", "inline_payload")
+    __slots__ = ("round", "task_id", "deadline_s", "generation_quota", "payload", "data_ticket", "inline_payload", "evaluate")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class Task(_message.Message):
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     DATA_TICKET_FIELD_NUMBER: _ClassVar[int]
     INLINE_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    EVALUATE_FIELD_NUMBER: _ClassVar[int]
     round: int
     task_id: str
     deadline_s: float
@@ -108,7 +109,8 @@ class Task(_message.Message):
     payload: Payload
     data_ticket: bytes
     inline_payload: bytes
-    def __init__(self, round: _Optional[int] = ..., task_id: _Optional[str] = ..., deadline_s: _Optional[float] = ..., generation_quota: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., data_ticket: _Optional[bytes] = ..., inline_payload: _Optional[bytes] = ...) -> None: ...
+    evaluate: bool
+    def __init__(self, round: _Optional[int] = ..., task_id: _Optional[str] = ..., deadline_s: _Optional[float] = ..., generation_quota: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., data_ticket: _Optional[bytes] = ..., inline_payload: _Optional[bytes] = ..., evaluate: _Optional[bool] = ...) -> None: ...
 
 class RunFinished(_message.Message):
     __slots__ = ("reason", "success", "exit_code")
@@ -287,3 +289,27 @@ class MeanDataChunk(_message.Message):
     header: MeanDataHeader
     chunk: Chunk
     def __init__(self, header: _Optional[_Union[MeanDataHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class EvaluationResult(_message.Message):
+    __slots__ = ("client_id", "session", "round", "task_id", "examples", "correct", "loss_sum", "class_correct", "class_total", "evaluate_seconds")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    CORRECT_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
+    CLASS_CORRECT_FIELD_NUMBER: _ClassVar[int]
+    CLASS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EVALUATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    session: str
+    round: int
+    task_id: str
+    examples: int
+    correct: int
+    loss_sum: float
+    class_correct: _containers.RepeatedScalarFieldContainer[int]
+    class_total: _containers.RepeatedScalarFieldContainer[int]
+    evaluate_seconds: float
+    def __init__(self, client_id: _Optional[int] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., examples: _Optional[int] = ..., correct: _Optional[int] = ..., loss_sum: _Optional[float] = ..., class_correct: _Optional[_Iterable[int]] = ..., class_total: _Optional[_Iterable[int]] = ..., evaluate_seconds: _Optional[float] = ...) -> None: ...

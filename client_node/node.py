@@ -295,7 +295,15 @@ class LogicalClient:
             return self._submit_update(messages(), timeout=timeout_s)
 
         log.info("client %d: uploading round %d (%d bytes)", self.client_id, task.round, meta.total_bytes)
-        grpcutil.call_with_retry(submit, deadline_s=max(RPC_TIMEOUT_S, task.deadline_s), what=f"client {self.client_id} submit")
+        try:
+            grpcutil.call_with_retry(submit, deadline_s=max(RPC_TIMEOUT_S, task.deadline_s), what=f"client {self.client_id} submit")
+        except grpc.RpcError as exc:
+            # Refused for the state of the run (its round closed, its norm past runtime.max_update_norm): the dispatch
+            # stream is still good, and the next task (or the run's end) comes on it
+            if not (isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION):
+                raise
+            log.warning("client %d: round %d: the coordinator refused the update: %s", self.client_id, task.round, exc.details())
+            return
         self.metrics.bytes_sent.inc(meta.total_bytes)
         self.metrics.rounds.inc()
         log.info("client %d: round %d done (%.1fs training, loss %.4f)", self.client_id, task.round, train_seconds, update.train_loss)

@@ -128,18 +128,23 @@ class LogicalClient:
             self.state = self._prepare(from_json(spec.config_json))
         cfg = self.state.cfg
         counts = np.bincount(self.state.real_y, minlength=self.num_classes)
-        reply = stub.Register(
-            pb.RegisterRequest(
-                client_id=self.client_id,
-                num_samples=len(self.state.real_y),
-                fedeas_images=fedeas_total(cfg, counts),
-                missing_classes=[int(c) for c in np.flatnonzero(counts == 0)] if cfg.generation.policy == "missing" else [],
-                run_id=spec.run_id,
-                synthetic_digest=self.state.shared_digest,
-                label_counts=[int(c) for c in counts] if cfg.train.algorithm == "fedgen" else [],
-            ),
-            timeout=RPC_TIMEOUT_S,
-        )
+        try:
+            reply = stub.Register(
+                pb.RegisterRequest(
+                    client_id=self.client_id,
+                    num_samples=len(self.state.real_y),
+                    fedeas_images=fedeas_total(cfg, counts),
+                    missing_classes=[int(c) for c in np.flatnonzero(counts == 0)] if cfg.generation.policy == "missing" else [],
+                    run_id=spec.run_id,
+                    synthetic_digest=self.state.shared_digest,
+                    label_counts=[int(c) for c in counts] if cfg.train.algorithm == "fedgen" else [],
+                ),
+                timeout=RPC_TIMEOUT_S,
+            )
+        except grpc.RpcError as exc:  # this client's data does not fit the run (e.g. data.max_samples_per_client): final
+            if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise RunEnded(False, f"registration refused: {exc.details()}", EXIT_ERROR) from exc
+            raise
         if cfg.train.algorithm == "sdafl" and not reply.synthetic_uploaded:
             images, privacy = ensure_samples(
                 cfg, self.client_id, self.state.real_x, self.options.cache_dir,

@@ -1,4 +1,4 @@
-"""Bounded updates over real processes: a client whose updates are 1,000 times its honest norm (hundreds of times the
+"""Bounded updates over real processes: a client whose updates are 1,000 times its honest norm (at least 500 times the
 round's median) is refused every round, and the run ends where the run with that client honest ends; without the bound
 the same client wrecks the model.
 
@@ -63,20 +63,24 @@ def test_an_update_1000_times_the_median_norm_is_refused_and_the_run_ends_as_wit
         reference: dict[str, Any], attacked: dict[str, Any], tmp_path: Path) -> None:
     for entry in attacked["rounds"]:
         norms = entry["update_norms"]
-        assert norms["norms"][str(BAD)] >= 100 * norms["median"], entry  # finite, far past any honest update
+        assert norms["norms"][str(BAD)] >= 500 * norms["median"], entry  # finite (measured: 592-4,148 x the median)
         assert norms["refused"] == [BAD] and norms["clipped"] == [], entry
         assert norms["bound"] == pytest.approx(10 * norms["median"]), entry
         assert entry["participants"] == [0, 1, 2], entry
+    bad_ratios = [e["update_norms"]["norms"][str(BAD)] / e["update_norms"]["median"] for e in attacked["rounds"]]
+    print(f"bad norm / median: {min(bad_ratios):.0f} to {max(bad_ratios):.0f}")
     assert attacked["log"].count(f"client {BAD}'s update has L2 norm") == RUN["train.rounds"]
     for entry in reference["rounds"]:  # honest updates stay within 10 x the median
         assert entry["update_norms"]["refused"] == [] and entry["participants"] == [0, 1, 2, 3], entry
     ratios = [max(e["update_norms"]["norms"].values()) / e["update_norms"]["median"] for e in reference["rounds"]]
     print(f"honest max/median norm per round: {[round(r, 2) for r in ratios]}")
     expected = final_accuracy(reference)
+    print(f"final accuracy: {final_accuracy(attacked):.4f} attacked (refused), {expected:.4f} all honest")
     assert expected > 0.8, expected
     assert abs(final_accuracy(attacked) - expected) <= NOISE, (final_accuracy(attacked), expected)
     # The same client with no bound: the model does not survive it (so the bound is what kept the run above)
     unbounded = play(tmp_path / "unbounded", {}, bad=True)
+    print(f"final accuracy without a bound: {final_accuracy(unbounded):.4f}")
     assert final_accuracy(unbounded) < expected - 0.3, final_accuracy(unbounded)
 
 

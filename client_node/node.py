@@ -139,18 +139,23 @@ class LogicalClient:
             self.state = self._prepare(from_json(spec.config_json))
         cfg = self.state.cfg
         counts = np.bincount(self.state.real_y, minlength=self.num_classes)
-        reply = stub.Register(
-            pb.RegisterRequest(
-                client_id=self.client_id,
-                num_samples=len(self.state.real_y),
-                fedeas_images=fedeas_total(cfg, counts),
-                missing_classes=[int(c) for c in np.flatnonzero(counts == 0)] if cfg.generation.policy == "missing" else [],
-                run_id=spec.run_id,
-                synthetic_digest=self.state.shared_digest,
-                label_counts=[int(c) for c in counts] if cfg.train.algorithm == "fedgen" else [],
-            ),
-            timeout=RPC_TIMEOUT_S,
-        )
+        try:
+            reply = stub.Register(
+                pb.RegisterRequest(
+                    client_id=self.client_id,
+                    num_samples=len(self.state.real_y),
+                    fedeas_images=fedeas_total(cfg, counts),
+                    missing_classes=[int(c) for c in np.flatnonzero(counts == 0)] if cfg.generation.policy == "missing" else [],
+                    run_id=spec.run_id,
+                    synthetic_digest=self.state.shared_digest,
+                    label_counts=[int(c) for c in counts] if cfg.train.algorithm == "fedgen" else [],
+                ),
+                timeout=RPC_TIMEOUT_S,
+            )
+        except grpc.RpcError as exc:  # this client's data does not fit the run (e.g. data.max_samples_per_client): final
+            if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise RunEnded(False, f"registration refused: {exc.details()}", EXIT_ERROR) from exc
+            raise
         if cfg.train.algorithm == "sdafl" and not reply.synthetic_uploaded:
             images, privacy = ensure_samples(
                 cfg, self.client_id, self.state.real_x, self.options.cache_dir,
@@ -310,7 +315,15 @@ class LogicalClient:
             return self._submit_update(messages(), timeout=timeout_s)
 
         log.info("client %d: uploading round %d (%d bytes)", self.client_id, task.round, meta.total_bytes)
-        grpcutil.call_with_retry(submit, deadline_s=max(RPC_TIMEOUT_S, task.deadline_s), what=f"client {self.client_id} submit")
+        try:
+            grpcutil.call_with_retry(submit, deadline_s=max(RPC_TIMEOUT_S, task.deadline_s), what=f"client {self.client_id} submit")
+        except grpc.RpcError as exc:
+            # Refused for the state of the run (its round closed, its norm past runtime.max_update_norm): the dispatch
+            # stream is still good, and the next task (or the run's end) comes on it
+            if not (isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION):
+                raise
+            log.warning("client %d: round %d: the coordinator refused the update: %s", self.client_id, task.round, exc.details())
+            return
         self.metrics.bytes_sent.inc(meta.total_bytes)
         self.metrics.rounds.inc()
         log.info("client %d: round %d done (%.1fs training, loss %.4f)", self.client_id, task.round, train_seconds, update.train_loss)

@@ -30,7 +30,8 @@ from coordinator.rounds import RoundInProgress
 from coordinator.round_driver import RoundDriver
 from coordinator.run_state import RunState
 from coordinator.sdafl_server import SdaflServer
-from coordinator.updates import decode_update, local_state
+from coordinator.update_norms import update_norm
+from coordinator.updates import ReceivedUpdate, decode_update, local_state
 from fedsynth.wire import wire_dtype
 from fedsynth.algorithms.fedgen import FedGen, head_keys
 from fedsynth.assembly import algorithm_for, model_for
@@ -66,7 +67,7 @@ class Federation:
         self.fedgen = FedGenServer(algorithm, seed=cfg.seed) if isinstance(algorithm, FedGen) else None
         self.lock = threading.Condition()
         self.registry = ClientRegistry(self.lock, metrics, run_id=self.run_id, num_clients=cfg.data.clients,
-                                       num_classes=test.num_classes)
+                                       num_classes=test.num_classes, max_samples=cfg.data.max_samples_per_client)
         self.progress = ProgressFeed(self.lock)
         self.driver = RoundDriver(cfg, out_dir=out_dir, lock=self.lock, registry=self.registry, state=self.state,
                                   algorithm=algorithm, sdafl=self.sdafl, metrics=metrics, progress=self.progress,
@@ -203,17 +204,32 @@ class Federation:
                 raise StateError(f"client {client_id} was not sampled in round {rnd.number} or already answered")
             # read under the lock: a round that closes meanwhile lets go of its payload and global state
             max_bytes, global_state = 2 * rnd.payload.meta.total_bytes + (1 << 20), rnd.global_state
+        bound = self.driver.norm_bound
         with receiving():
             log.info("round %d: receiving client %d's update (%d bytes)", rnd.number, client_id, header["total_bytes"])
             update = decode_update(receive(max_bytes), layout=self.update_layout, client_id=client_id, wire=self.cfg.runtime.wire_dtype)
+            norm = update_norm(update.state, update.extra, global_state, deltas=update.deltas) if bound.enabled else None
             labels = self._pseudo_labels(client_id, local_state(update, global_state)) if self.sdafl is not None else None
+            fold = self._folder(rnd, client_id, update, float(record.num_samples), labels, global_state)
             with self.lock:
                 if self.driver.current is not rnd or not rnd.awaits(client_id):
                     raise StateError(f"round {rnd.number} closed before client {client_id}'s update was complete")
+                if header["generation"] and record.generation is None:
+                    record.generation = header["generation"]
                 started = time.monotonic()
-                rnd.aggregator.add(update.state, update.extra, float(record.num_samples), layout_checked=True, deltas=update.deltas)
-                if self.fedgen is not None:
-                    self.fedgen.keep_head(rnd.number, client_id, local_state(update, global_state, head_keys(update.state)))
+                if norm is None:
+                    fold(1.0)
+                else:
+                    rnd.norms[client_id] = norm
+                    if bound.auto:  # judged when the round closes, against the median of the round's norms
+                        rnd.held[client_id] = fold
+                    else:
+                        verdict = bound.verdict(norm, bound.bound())
+                        self.driver.record_verdict(rnd, client_id, verdict)
+                        if verdict.scale == 0:
+                            self.lock.notify_all()  # the round may be complete now
+                            raise StateError(verdict.describe(client_id, rnd.number))
+                        fold(verdict.scale)
                 rnd.aggregation_s += time.monotonic() - started
                 rnd.answered[client_id] = {
                     "train_seconds": header["train_seconds"],
@@ -221,16 +237,26 @@ class Federation:
                     "generation_seconds": header["generation"].get("wall_seconds", 0.0) if header["generation"] else 0.0,
                 }
                 rnd.bytes_received += update.num_bytes
-                if labels is not None and self.sdafl is not None:
-                    self.sdafl.commit_labels(client_id, labels)
-                if header["generation"] and record.generation is None:
-                    record.generation = header["generation"]
                 if rnd.complete:  # the round loop waits for nothing else from updates (it checks deadlines on its own)
                     self.lock.notify_all()
             num_bytes = update.num_bytes
-            del update, labels  # the received buffer goes before the slot does
+            del update, labels, fold  # the received buffer goes before the slot does (unless the round holds it)
         self.metrics.bytes_received.inc(num_bytes)
-        log.info("round %d: update from client %d accepted", rnd.number, client_id)
+        log.info("round %d: update from client %d %s", rnd.number, client_id, "held" if client_id in rnd.held else "accepted")
+
+    def _folder(self, rnd: RoundInProgress, client_id: int, update: ReceivedUpdate, weight: float, labels: np.ndarray | None,
+                global_state: dict[str, torch.Tensor]) -> Callable[[float], None]:
+        """Folds the update into the round's running sum at a scale (1: as sent; below 1: clipped). A clipped update's
+        model is not the one its client trained: its FedGen head and its SDA-FL pseudo-labels are left out."""
+
+        def fold(scale: float) -> None:
+            rnd.aggregator.add(update.state, update.extra, weight, layout_checked=True, deltas=update.deltas, scale=scale)
+            if scale == 1 and self.fedgen is not None:
+                self.fedgen.keep_head(rnd.number, client_id, local_state(update, global_state, head_keys(update.state)))
+            if scale == 1 and labels is not None and self.sdafl is not None:
+                self.sdafl.commit_labels(client_id, labels)
+
+        return fold
 
     def _pseudo_labels(self, client_id: int, state: dict[str, torch.Tensor]) -> np.ndarray:
         """Label this client's synthetic samples with its NEW local model (the caller has validated `state`)."""

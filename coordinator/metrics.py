@@ -28,6 +28,17 @@ class CoordinatorMetrics:
         self.rejected_updates = Counter(
             "fedsynth_coordinator_rejected_updates_total", "Updates refused, by gRPC status code", ["code"], **kw
         )
+        self.update_norm_exceeded = Counter(
+            "fedsynth_coordinator_update_norm_exceeded_total",
+            "Updates whose L2 norm exceeded runtime.max_update_norm, by what became of them (clipped, refused)", ["action"], **kw
+        )
+        self.update_norm_bound = Gauge(
+            "fedsynth_coordinator_update_norm_bound", "The bound on an update's L2 norm in the last round (runtime.max_update_norm)", **kw
+        )
+        self.rejected_registrations = Counter(
+            "fedsynth_coordinator_rejected_registrations_total", "Registrations refused, by reason (max_samples_per_client)",
+            ["reason"], **kw
+        )
         self.clients_registered = Gauge("fedsynth_coordinator_clients_registered", "Clients registered", **kw)
         self.clients_connected = Gauge("fedsynth_coordinator_clients_connected", "Clients with an open dispatch stream", **kw)
         self.clients_dropped = Counter(

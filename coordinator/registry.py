@@ -36,12 +36,13 @@ class ClientRegistry:
     """Every method takes the federation's lock itself (a reentrant Condition, so callers may already hold it)."""
 
     def __init__(self, lock: threading.Condition, metrics: CoordinatorMetrics, *, run_id: str, num_clients: int,
-                 num_classes: int) -> None:
+                 num_classes: int, max_samples: int = 0) -> None:
         self.lock = lock
         self.metrics = metrics
         self.run_id = run_id
         self.num_clients = num_clients
         self.num_classes = num_classes
+        self.max_samples = max_samples  # data.max_samples_per_client: the largest N_k (aggregation weight) admitted; 0 = any
         self.clients: dict[int, ClientRecord] = {}
         self.finished: Finished | None = None
 
@@ -56,6 +57,11 @@ class ClientRegistry:
             raise WireError(f"client_id {client_id} is out of range 0..{self.num_clients - 1}")
         if num_samples < 1:
             raise WireError(f"client {client_id} reported num_samples={num_samples}; must be >= 1")
+        if self.max_samples and num_samples > self.max_samples:
+            self.metrics.rejected_registrations.labels(reason="max_samples_per_client").inc()
+            log.warning("client %d refused: N_k=%d above data.max_samples_per_client=%d", client_id, num_samples, self.max_samples)
+            raise StateError(f"client {client_id} registered N_k={num_samples} samples, above data.max_samples_per_client="
+                             f"{self.max_samples}: refused")
         missing = tuple(sorted(set(missing)))
         if any(c >= self.num_classes for c in missing):
             raise WireError(f"client {client_id} reported missing class ids {missing} outside 0..{self.num_classes - 1}")

@@ -29,6 +29,7 @@ from coordinator.registry import ClientRegistry
 from coordinator.rounds import RoundInProgress, quorum_size, round_phases
 from coordinator.run_state import RunState
 from coordinator.sdafl_server import SdaflServer
+from coordinator.update_norms import NormBound, Verdict
 from fedsynth.wire import codec, data_plane
 from fedsynth.algorithms.base import Algorithm, snapshot_state
 from fedsynth.allocation import assigned_quota
@@ -87,6 +88,7 @@ class RoundDriver:
         # train.evaluation "federated" / "both": the clients test closed rounds on their local test sets (counts only)
         self.federated = FederatedEvaluator(cfg, lock, registry) if cfg.train.evaluation != "server" else None
         self.server_evaluates = cfg.train.evaluation != "federated"
+        self.norm_bound = NormBound(cfg.runtime)
         # With overlap_evaluation, round r is tested (then checkpointed and published) on this thread while
         # round r+1 already trains: the clients never wait for the coordinator's test pass.
         self._evaluator = ThreadPoolExecutor(1, thread_name_prefix="evaluation") if cfg.runtime.overlap_evaluation else None
@@ -244,6 +246,10 @@ class RoundDriver:
         with self.lock:
             self.current = None
         started = time.monotonic()
+        self._settle_held(rnd)
+        if rnd.aggregator.count < rnd.need:  # updates refused for their norm do not count towards the quorum
+            raise QuorumError(f"round {number}: {rnd.aggregator.count} of {len(rnd.sampled)} sampled clients' updates were "
+                              f"aggregated, {len(rnd.refused)} refused by runtime.max_update_norm; quorum is {rnd.need}")
         new_global, state.server_state = rnd.aggregator.finish()
         state.model.load_state_dict(new_global)
         del new_global, global_state, payload
@@ -264,6 +270,35 @@ class RoundDriver:
         else:
             self._next_dispatched = threading.Event()
             self._evaluating = self._evaluator.submit(self._conclude_once_dispatched, closed, self._next_dispatched)
+
+    def record_verdict(self, rnd: RoundInProgress, client_id: int, verdict: Verdict) -> None:
+        """Log, count and note in the round an update past the bound (the caller folds it or refuses it)."""
+        rnd.norm_bound = verdict.bound
+        self.metrics.update_norm_bound.set(verdict.bound)
+        if verdict.action == "accepted":
+            return
+        self.metrics.update_norm_exceeded.labels(action=verdict.action).inc()
+        log.warning("%s", verdict.describe(client_id, rnd.number))
+        if verdict.action == "refused":
+            rnd.refused[client_id] = verdict.describe(client_id, rnd.number)
+        else:
+            rnd.clipped.append(client_id)
+
+    def _settle_held(self, rnd: RoundInProgress) -> None:
+        """runtime.max_update_norm = "auto": judge the round's held updates against factor x the median of their norms,
+        then fold them (in client order: the same sum whatever order they arrived in). The round is no longer current:
+        nothing else touches it."""
+        if not rnd.held:
+            return
+        bound = self.norm_bound.bound([rnd.norms[c] for c in rnd.held])
+        for client_id, fold in sorted(rnd.held.items()):
+            verdict = self.norm_bound.verdict(rnd.norms[client_id], bound)
+            self.record_verdict(rnd, client_id, verdict)
+            if verdict.scale == 0:
+                del rnd.answered[client_id]  # its client was told its update was taken: only the log and metrics say otherwise
+            else:
+                fold(verdict.scale)
+        rnd.held = {}
 
     def wait_for_evaluation(self, timeout_s: float | None) -> None:
         """When the run is ending anyway: let the round under test reach its checkpoint; its errors are only logged."""
@@ -321,6 +356,14 @@ class RoundDriver:
             **closed.sdafl_summary,
             **({"federated_evaluation": figures} if figures is not None else {}),
         }
+        if self.norm_bound.enabled:
+            summary["update_norms"] = {
+                "bound": rnd.norm_bound,
+                "median": float(np.median(list(rnd.norms.values()))) if rnd.norms else None,
+                "norms": {str(c): n for c, n in sorted(rnd.norms.items())},
+                "clipped": sorted(rnd.clipped),
+                "refused": sorted(rnd.refused),
+            }
         # Only this thread appends to the history, so it may read it unlocked; the round enters the history (and
         # watchers hear of it) only once its checkpoint is on disk, both under the lock so no watcher sees it twice.
         history = [*self.state.history, summary]

@@ -11,6 +11,7 @@ from deploy.experiment_spec import role_policy
 from deploy.report_render import PLOTS, pyplot, read_json_object, save_figure
 from deploy.stats import paired_difference, summarize
 from fedsynth.errors import ConfigError
+from fedsynth.process.provenance import provenance
 from fedsynth.process.runtime import write_atomic
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ def build_summary(experiment: Experiment, seeds: list[int], out_dir: Path, outco
                 paired.append({"a": arm.name, "b": other, **paired_difference(per_seed[arm.name], per_seed[other], s.confidence).to_dict()})
     return {
         "experiment": s.name, "seeds": seeds, "last_n": s.last_n, "threshold": s.threshold, "confidence": s.confidence,
-        "arms": arms, "paired": paired, "runs": runs,
+        "arms": arms, "paired": paired, "runs": runs, "version": provenance(),
     }
 
 

@@ -35,6 +35,7 @@ from fedsynth.generation.generator_names import (
     SERVICE_NAME,
 )
 from fedsynth.learning.partition import check_partition
+from fedsynth.process.provenance import provenance
 from fedsynth.process.runtime import EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED, setup_logging, write_json
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
@@ -348,6 +349,7 @@ def run(args: argparse.Namespace) -> int:
         generation_wall_s=launcher.generation_setup_s,
         generator_counters=counters,
         generator_quality=quality,
+        version=provenance(),
     )
     report["failures"] = launcher.failures
     report["exit_code"] = code if code else (0 if success else EXIT_ERROR)

@@ -18,9 +18,11 @@ def build_report(
     generation_wall_s: float = 0.0,
     generator_counters: dict[str, Any] | None = None,
     generator_quality: dict[str, Any] | None = None,
+    version: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """generation.device_seconds is the generator's own sampling time (its Prometheus counter), when it ran; with the
-    quality filter it includes the rejected candidates, and generation.quality_filter says how many there were."""
+    quality filter it includes the rejected candidates, and generation.quality_filter says how many there were.
+    `version`: what made the run (fedsynth.process.provenance); the coordinator's own block when it is not given."""
     rounds = coordinator.get("rounds", [])
     # None: a round nobody tested (train.evaluation = "federated", off its eval_every)
     accuracies = [r["accuracy"] for r in rounds if r["accuracy"] is not None]
@@ -36,6 +38,7 @@ def build_report(
     device_seconds = float(generator_counters["device_seconds"]) if generator_counters else 0.0
     return {
         "run_id": coordinator.get("run_id"),
+        "version": version if version is not None else coordinator.get("version"),
         "success": coordinator.get("success", False),
         "error": coordinator.get("error"),
         "config": coordinator.get("config"),
@@ -50,6 +53,7 @@ def build_report(
                 "phases_s": r["phases_s"],
                 "bytes_sent": r["bytes_sent"],
                 "bytes_received": r["bytes_received"],
+                **({"update_norms": r["update_norms"]} if "update_norms" in r else {}),  # runtime.max_update_norm set
             }
             for r in rounds
         ],

@@ -25,6 +25,7 @@ from fedsynth.config_schema import (
     MODELS,
     PARTITIONS,
     POLICIES,
+    UPDATE_NORM_ACTIONS,
     WIRE_DTYPES,
     Section,
 )
@@ -36,6 +37,9 @@ LATER_GENERATION_KEYS = {"prompt_template": "a photo of a {name}", "class_names_
 DEFAULT_PROMPT_TEMPLATE = LATER_GENERATION_KEYS["prompt_template"]
 # Federated evaluation's keys (docs/evaluation.md): at these defaults (the coordinator tests alone), old fingerprints hold.
 LATER_EVALUATION_KEYS = {"data": {"local_test_fraction": 0.0}, "train": {"evaluation": "server", "eval_every": 1, "fraction_evaluate": 1.0}}
+# runtime's bounded-update keys (coordinator.update_norms): with the bound off they change nothing, and a set bound
+# enters the fingerprint (clipping changes results) only then, so old fingerprints hold.
+UPDATE_NORM_KEYS = ("max_update_norm", "max_update_norm_factor", "update_norm_action")
 MAX_SEED = 2**32 - 1  # torch, numpy and the derived per-client seeds all take it
 
 
@@ -60,6 +64,9 @@ class DataConfig(Section):
     # The share of each client's shard it keeps out of training to test the global model on (federated evaluation);
     # 0 with train.evaluation = "federated" or "both" means fedsynth.learning.evaluation.DEFAULT_LOCAL_TEST_FRACTION.
     local_test_fraction: float = 0.0
+    # A registration reporting more samples than this (N_k, the client's aggregation weight) is refused; 0 = no limit.
+    # It decides who may join, not what a joined client computes: left out of the fingerprint.
+    max_samples_per_client: int = 0
 
     def check(self) -> None:
         self.one_of("dataset", DATASETS)
@@ -70,6 +77,7 @@ class DataConfig(Section):
         self.at_least(0, "min_size")
         self.within("holdout_fraction", 0, 1, high_open=True)
         self.within("local_test_fraction", 0, 1, high_open=True)
+        self.at_least(0, "max_samples_per_client")
 
 
 @dataclass(frozen=True)
@@ -241,12 +249,22 @@ class RuntimeConfig(Section):
     # TCP or TLS connection per transfer, raw bytes, checksummed; docs/runtime.md), not as chunks on gRPC streams
     data_plane: str = "grpc"
     data_plane_min_bytes: int = 4 << 20  # smaller payloads stay on gRPC under data_plane = "tcp"
+    # The most an update may move the global model: the L2 norm of its floating-point tensors as differences from the
+    # round's global model (SCAFFOLD's delta c_i included). 0 = off; a number; or "auto": max_update_norm_factor times
+    # the median norm of the round's updates (held until the round closes). Past it: update_norm_action.
+    max_update_norm: float | str = 0.0
+    max_update_norm_factor: float = 10.0
+    update_norm_action: str = "refuse"  # "refuse": left out of the round; "clip": scaled down onto the bound
 
     def check(self) -> None:
         self.non_empty("host", "tls_dir")
         self.one_of("wire_dtype", WIRE_DTYPES)
         self.one_of("data_plane", DATA_PLANES)
         self.at_least(0, "data_plane_min_bytes")
+        if self.max_update_norm != "auto" and (isinstance(self.max_update_norm, str) or self.max_update_norm < 0):
+            self._fail("max_update_norm", '0 (off), a number > 0 or "auto"')
+        self.within("max_update_norm_factor", 1, 1e6, low_open=True)
+        self.one_of("update_norm_action", UPDATE_NORM_ACTIONS)
         self.within("coordinator_port", 0, 65535)
         self.above(0, "round_timeout_s", "registration_timeout_s", "heartbeat_s")
         self.within("quorum", 0, 1, low_open=True)
@@ -283,9 +301,13 @@ class RunConfig(Section):
         content = self.to_dict()
         content.pop("out_dir")
         content["generation"].pop("evaluate_per_class")  # scoring the generator after the run changes no result
-        wire_dtype = content.pop("runtime")["wire_dtype"]
+        content["data"].pop("max_samples_per_client")
+        runtime = content.pop("runtime")
+        wire_dtype = runtime["wire_dtype"]
         if wire_dtype != "float32":  # rounding the updates changes results; at the default, old fingerprints hold
             content["wire_dtype"] = wire_dtype
+        if runtime["max_update_norm"] != 0:  # a bound may clip or refuse updates; off, old fingerprints hold
+            content["update_norm"] = {key: runtime[key] for key in UPDATE_NORM_KEYS}
         content["train"].pop("rounds")
         for key, default in LATER_GENERATION_KEYS.items():  # keys that came later: at their defaults, old fingerprints hold
             if content["generation"][key] == default:

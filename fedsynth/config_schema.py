@@ -32,6 +32,7 @@ GENERATOR_TRAIN_LR = {"tiny": 2e-3, "small": 2e-3, "half": 2e-4, "ddpm-cifar": 2
 WIRE_DTYPES = ("float32", "float16", "bfloat16")  # fedsynth.wire.wire_dtype: the floats of client updates on the wire
 EVALUATIONS = ("server", "federated", "both")  # who tests the global model: the coordinator, the clients (counts), or both
 DATA_PLANES = ("grpc", "tcp")  # how model payloads travel: chunks on the gRPC streams, or fedsynth.wire.data_plane beside them
+UPDATE_NORM_ACTIONS = ("refuse", "clip")  # coordinator.update_norms: what becomes of an update past runtime.max_update_norm
 MAX_EXPONENT = 2.0  # generation.exponent / plan --exponent: past (N_k / C)^2 no generator could fill a budget
 
 

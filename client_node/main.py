@@ -12,6 +12,7 @@ import torch
 
 from client_node.metrics import ClientMetrics
 from client_node.node import NodeOptions, run_clients
+from client_node.sdafl_client import remove_leftover_shards
 from fedsynth.process import lifetime
 from fedsynth.wire import tls
 from fedsynth.config import generator_addresses
@@ -87,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     # The first optimizer imports torch._dynamo (~3 s): pay it here, not inside a round where a SIGTERM would wait on it.
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     options = node_options(args, ids)
+    remove_leftover_shards(Path(args.cache_dir))
     metrics_server = serve_metrics_from_args(args, tls.tls_files_from_args(args, f"client-{ids[0]}"))  # the first client's pair
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -67,12 +68,10 @@ def ensure_samples(
     samples, privacy = folder / "samples.npz", folder / "privacy.json"
     if not (samples.is_file() and privacy.is_file()):
         folder.mkdir(parents=True, exist_ok=True)
-        private = folder / ".private-shard.npz"  # readable by this user only, removed right after training
-        fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as handle:
-            np.savez(handle, x=real_x)
+        shard = io.BytesIO()  # the private images reach the child over its stdin: no copy of them is ever on disk
+        np.savez(shard, x=real_x)
         command = [
-            sys.executable, "-m", "fedsynth.cli", "generator", "dpgan", "--data", str(private), "--out", str(folder),
+            sys.executable, "-m", "fedsynth.cli", "generator", "dpgan", "--data", "-", "--out", str(folder),
             "--count", str(cfg.sdafl.samples_per_client), "--sample-seed", str(client_seed(cfg, client_id, "dpgan-sample") % (2**31)),
             "--config-json", json.dumps(fields),
         ]
@@ -82,10 +81,7 @@ def ensure_samples(
         # (a fifth of the DP-GAN's time in the kernel here); keep them in the heap instead. A user's setting wins.
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(2**32))
         env.setdefault("MALLOC_TRIM_THRESHOLD_", str(2**32))
-        try:
-            code, stderr = _train(command, env, client_id=client_id, timeout_s=timeout_s, should_stop=should_stop)
-        finally:
-            private.unlink(missing_ok=True)
+        code, stderr = _train(command, env, shard.getvalue(), client_id=client_id, timeout_s=timeout_s, should_stop=should_stop)
         if code != 0:
             raise FedsynthError(f"client {client_id}: DP-GAN training failed: {stderr.strip().splitlines()[-1:]}")
     with np.load(samples, allow_pickle=False) as archive:
@@ -93,17 +89,21 @@ def ensure_samples(
     return images, json.loads(privacy.read_text())
 
 
-def _train(command: list[str], env: dict[str, str], *, client_id: int, timeout_s: float, should_stop: Callable[[], bool]) -> tuple[int, str]:
-    """(exit code, stderr) of the DP-GAN child; on a stop, the deadline or any error it is terminated and waited for."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=lifetime.child_env(env))
+def _train(command: list[str], env: dict[str, str], shard: bytes, *, client_id: int, timeout_s: float,
+           should_stop: Callable[[], bool]) -> tuple[int, str]:
+    """(exit code, stderr) of the DP-GAN child, fed `shard` on its stdin; on a stop, the deadline or any error it is
+    terminated and waited for."""
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env=lifetime.child_env(env))
     deadline = time.monotonic() + timeout_s
+    pending: bytes | None = shard  # communicate() keeps writing it across timeouts; later calls pass nothing
     try:
         while True:
             try:
-                _, stderr = process.communicate(timeout=POLL_S)
-                return process.returncode, stderr
+                _, stderr = process.communicate(pending, timeout=POLL_S)
+                return process.returncode, stderr.decode(errors="replace")
             except subprocess.TimeoutExpired:
-                pass
+                pending = None
             if should_stop():
                 raise StopRequested(f"client {client_id}: stopped while training its DP-GAN")
             if time.monotonic() > deadline:
@@ -116,6 +116,16 @@ def _train(command: list[str], env: dict[str, str], *, client_id: int, timeout_s
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.communicate()
+
+
+def remove_leftover_shards(cache_dir: Path) -> list[Path]:
+    """Delete the `.private-shard.npz` files that versions before the shard went over a pipe left in the cache when
+    the client was killed during its DP-GAN; the paths removed."""
+    leftovers = sorted(cache_dir.glob("client-*/sdafl-*/.private-shard.npz"))
+    for path in leftovers:
+        path.unlink(missing_ok=True)
+        log.warning("removed %s: a copy of private images left by a client killed during its DP-GAN", path)
+    return leftovers
 
 
 def upload(stub: pb_grpc.CoordinatorStub, client_id: int, session: str, images: np.ndarray, privacy: dict[str, Any], *, timeout_s: float) -> int:

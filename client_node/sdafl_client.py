@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 
 from fedsynth.wire import codec, grpcutil
@@ -83,7 +84,8 @@ def ensure_samples(
         env.setdefault("MALLOC_TRIM_THRESHOLD_", str(2**32))
         code, stderr = _train(command, env, shard.getvalue(), client_id=client_id, timeout_s=timeout_s, should_stop=should_stop)
         if code != 0:
-            raise FedsynthError(f"client {client_id}: DP-GAN training failed: {stderr.strip().splitlines()[-1:]}")
+            last = (stderr.strip().splitlines() or [f"exit code {code}, no output"])[-1]
+            raise FedsynthError(f"client {client_id}: DP-GAN training failed: {last}")
     with np.load(samples, allow_pickle=False) as archive:
         images = np.ascontiguousarray(archive["x"])
     return images, json.loads(privacy.read_text())
@@ -126,6 +128,18 @@ def remove_leftover_shards(cache_dir: Path) -> list[Path]:
         path.unlink(missing_ok=True)
         log.warning("removed %s: a copy of private images left by a client killed during its DP-GAN", path)
     return leftovers
+
+
+def report_failure(stub: pb_grpc.CoordinatorStub, client_id: int, session: str, failure: FedsynthError, *, timeout_s: float) -> None:
+    """Tell the coordinator at once that this client's DP-GAN failed, so it need not wait for an upload that will not
+    come; best effort: a coordinator that cannot be told still gives up at its own deadline."""
+    try:
+        reason = str(failure).removeprefix(f"client {client_id}: ")
+        stub.ReportSetupFailure(pb.SetupFailure(client_id=client_id, session=session, reason=reason), timeout=timeout_s)
+        log.info("client %d: told the coordinator that its DP-GAN failed", client_id)
+    except grpc.RpcError as exc:
+        log.warning("client %d: could not report its DP-GAN failure to the coordinator: %s", client_id,
+                    exc.details() if isinstance(exc, grpc.Call) else exc)
 
 
 def upload(stub: pb_grpc.CoordinatorStub, client_id: int, session: str, images: np.ndarray, privacy: dict[str, Any], *, timeout_s: float) -> int:

@@ -206,6 +206,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             _abort_for(context, exc)
         return pb.UploadReply(stored=stored)
 
+    def ReportSetupFailure(self, request: pb.SetupFailure, context: grpc.ServicerContext) -> pb.SetupFailureReply:
+        try:
+            self.federation.report_setup_failure(request.client_id, request.session, request.reason)
+        except (WireError, StateError) as exc:
+            _abort_for(context, exc)
+        return pb.SetupFailureReply()
+
     def WatchRounds(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.RoundSummary]:
         q = self.federation.watch()
         context.add_callback(lambda: self.federation.unwatch(q))

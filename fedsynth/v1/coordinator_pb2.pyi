@@ -287,3 +287,17 @@ class MeanDataChunk(_message.Message):
     header: MeanDataHeader
     chunk: Chunk
     def __init__(self, header: _Optional[_Union[MeanDataHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class SetupFailure(_message.Message):
+    __slots__ = ("client_id", "session", "reason")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    session: str
+    reason: str
+    def __init__(self, client_id: _Optional[int] = ..., session: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SetupFailureReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

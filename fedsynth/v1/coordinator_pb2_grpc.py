@@ -74,6 +74,11 @@ class CoordinatorStub:
                 request_serializer=fedsynth_dot_v1_dot_coordinator__pb2.MeanDataChunk.SerializeToString,
                 response_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.UploadReply.FromString,
                 _registered_method=True)
+        self.ReportSetupFailure = channel.unary_unary(
+                '/fedsynth.v1.Coordinator/ReportSetupFailure',
+                request_serializer=fedsynth_dot_v1_dot_coordinator__pb2.SetupFailure.SerializeToString,
+                response_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.SetupFailureReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -137,6 +142,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportSetupFailure(self, request, context):
+        """SDA-FL: a client whose DP-GAN failed says so at once instead of never uploading, so the coordinator goes on with
+        a quorum of uploads (or ends below it) without waiting out runtime.registration_timeout_s; the client then leaves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +192,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.UploadMeanData,
                     request_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.MeanDataChunk.FromString,
                     response_serializer=fedsynth_dot_v1_dot_coordinator__pb2.UploadReply.SerializeToString,
+            ),
+            'ReportSetupFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportSetupFailure,
+                    request_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.SetupFailure.FromString,
+                    response_serializer=fedsynth_dot_v1_dot_coordinator__pb2.SetupFailureReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +415,33 @@ class Coordinator:
             '/fedsynth.v1.Coordinator/UploadMeanData',
             fedsynth_dot_v1_dot_coordinator__pb2.MeanDataChunk.SerializeToString,
             fedsynth_dot_v1_dot_coordinator__pb2.UploadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportSetupFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedsynth.v1.Coordinator/ReportSetupFailure',
+            fedsynth_dot_v1_dot_coordinator__pb2.SetupFailure.SerializeToString,
+            fedsynth_dot_v1_dot_coordinator__pb2.SetupFailureReply.FromString,
             options,
             channel_credentials,
             insecure,

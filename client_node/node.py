@@ -17,13 +17,15 @@ import torch
 from client_node.fedmix_client import mean_data, pool_from_group, upload_mean_data
 from client_node.heartbeats import send_heartbeats
 from client_node.metrics import ClientMetrics
-from client_node.sdafl_client import ensure_samples, upload
+from client_node.sdafl_client import ensure_samples, report_failure, upload
 from client_node.synthesis import SyntheticSet, fedeas_total, synthesize
 from fedsynth.wire import codec, data_plane, grpcutil, wire_dtype
 from fedsynth.assembly import algorithm_for, client_seed, client_shard, local_train_config, model_for, round_generator
 from fedsynth.config import RunConfig, from_json
 from fedsynth.errors import FedsynthError, StopRequested, WireError
 from fedsynth.wire.raw_messages import submit_update_call
+from fedsynth.wire.server_check import check_servers, refused
+from fedsynth.wire.tls import PeerIdentity, RevocationList, TLSFiles
 from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_OK
 from fedsynth.wire.tensor_buffer import decode_views, encode_parts, encode_to_buffer
 from fedsynth.learning.training import TrainData, images_to_tensor
@@ -44,6 +46,8 @@ class NodeOptions:
     reconnect_timeout_s: float = 300.0
     credentials: grpc.ChannelCredentials | None = None
     data_plane_tls: ssl.SSLContext | None = None  # the same identity as `credentials`, for the coordinator's data plane
+    tls_files: TLSFiles | None = None  # the pair behind `credentials`: checking the servers' certificates
+    revoked: RevocationList | None = None  # refuse a coordinator or generator whose certificate it lists
 
 
 @dataclass
@@ -78,6 +82,7 @@ class LogicalClient:
         self.state: ClientState | None = None
         self._stream: grpc.Future | None = None
         self._data_plane: data_plane.Endpoint | None = None  # announced at registration (runtime.data_plane = "tcp")
+        self._coordinator_identity: PeerIdentity | None = None  # its certificate's, when a revocation list is checked
 
     def cancel(self) -> None:
         """Break out of a blocking dispatch stream (used on SIGTERM)."""
@@ -100,7 +105,7 @@ class LogicalClient:
                 except StopRequested as stopped:  # nothing was uploaded; the synthetic cache is written atomically
                     log.info("client %d: %s", self.client_id, stopped)
                     break
-                except grpc.RpcError as exc:
+                except (grpc.RpcError, OSError) as exc:  # OSError: the handshake that checks the coordinator's certificate
                     if self.stop.is_set():
                         break
                     code = exc.code() if isinstance(exc, grpc.Call) else None
@@ -124,6 +129,7 @@ class LogicalClient:
 
     def _session(self, stub: pb_grpc.CoordinatorStub) -> None:
         spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=RPC_TIMEOUT_S, wait_for_ready=True)
+        self._check_coordinator()
         if self.state is None:
             self.state = self._prepare(from_json(spec.config_json))
         cfg = self.state.cfg
@@ -141,10 +147,16 @@ class LogicalClient:
             timeout=RPC_TIMEOUT_S,
         )
         if cfg.train.algorithm == "sdafl" and not reply.synthetic_uploaded:
-            images, privacy = ensure_samples(
-                cfg, self.client_id, self.state.real_x, self.options.cache_dir,
-                timeout_s=cfg.runtime.registration_timeout_s, torch_threads=torch.get_num_threads(), should_stop=self.stop.is_set,
-            )
+            try:
+                images, privacy = ensure_samples(
+                    cfg, self.client_id, self.state.real_x, self.options.cache_dir,
+                    timeout_s=cfg.runtime.registration_timeout_s, torch_threads=torch.get_num_threads(), should_stop=self.stop.is_set,
+                )
+            except StopRequested:
+                raise
+            except FedsynthError as failure:
+                report_failure(stub, self.client_id, reply.session, failure, timeout_s=RPC_TIMEOUT_S)
+                raise
             upload(stub, self.client_id, reply.session, images, privacy, timeout_s=RPC_TIMEOUT_S * 4)
         if reply.mean_data_wanted:
             mean_batch = int(getattr(self.algorithm, "mean_batch"))
@@ -169,6 +181,8 @@ class LogicalClient:
                     raise RunEnded(message.finished.success, message.finished.reason, message.finished.exit_code)
                 if kind != "task":
                     raise WireError(f"expected a task header, got {kind}")
+                if self._coordinator_identity is not None and self.options.revoked is not None:
+                    refused(self._coordinator_identity, self.options.revoked, what=f"coordinator at {self.options.coordinator}")
                 self._do_task(stub, reply.session, message.task, stream)
         except grpc.RpcError as exc:
             if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -181,6 +195,14 @@ class LogicalClient:
             heartbeats.join(timeout=cfg.runtime.heartbeat_s)
             self._stream = None
             stream.cancel()
+
+    def _check_coordinator(self) -> None:
+        """With a revocation list: the coordinator's certificate, read in a handshake of our own on every (re)connection
+        (gRPC does not show a client its server's certificate), must not be revoked (RevokedServer ends the client)."""
+        if self.options.revoked is None or self.options.tls_files is None:
+            return
+        [self._coordinator_identity] = check_servers(self.options.coordinator, self.options.tls_files, self.options.revoked,
+                                                     what="coordinator", timeout_s=RPC_TIMEOUT_S)
 
     def _prepare(self, cfg: RunConfig) -> ClientState:
         shard = client_shard(cfg, self.client_id)

@@ -24,7 +24,7 @@ from fedsynth.assembly import algorithm_for, client_seed, client_shard, local_tr
 from fedsynth.config import RunConfig, from_json
 from fedsynth.errors import FedsynthError, StopRequested, WireError
 from fedsynth.wire.raw_messages import submit_update_call
-from fedsynth.wire.server_check import check_servers, refused
+from fedsynth.wire.server_check import ServerUnreachable, check_servers, refused
 from fedsynth.wire.tls import PeerIdentity, RevocationList, TLSFiles
 from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_OK
 from fedsynth.wire.tensor_buffer import decode_views, encode_parts, encode_to_buffer
@@ -105,7 +105,7 @@ class LogicalClient:
                 except StopRequested as stopped:  # nothing was uploaded; the synthetic cache is written atomically
                     log.info("client %d: %s", self.client_id, stopped)
                     break
-                except (grpc.RpcError, OSError) as exc:  # OSError: the handshake that checks the coordinator's certificate
+                except (grpc.RpcError, ServerUnreachable) as exc:
                     if self.stop.is_set():
                         break
                     code = exc.code() if isinstance(exc, grpc.Call) else None

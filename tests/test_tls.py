@@ -14,11 +14,12 @@ import pytest
 import torch
 from cryptography import x509
 from google.protobuf.descriptor import Descriptor
+from prometheus_client import CollectorRegistry
 
 from coordinator.server import CLAIMED_CLIENT_ID
 from deploy.processes import Child, ProcessGroup, fedsynth_command, wait_for_file
 from fedsynth import cli
-from fedsynth.wire.server_check import RevokedServer, check_servers
+from fedsynth.wire.server_check import RevokedServer, ServerUnreachable, check_servers
 from fedsynth.wire import data_plane, grpcutil, tls
 from fedsynth.errors import ConfigError
 from fedsynth.generation.generator_client import GeneratorInfo
@@ -249,7 +250,7 @@ def test_a_client_checks_every_generator_certificate_against_its_revocation_list
     model = tmp_path / "model"
     save_generator(model, build_unet("tiny", num_classes=10, image_shape=(1, 8, 8), seed=0), make_train_scheduler(),
                    GeneratorMetadata("digits", 10, (1, 8, 8), "tiny", training_steps=0, guidance=1.0, ddim_steps=2))
-    server = GeneratorServer(ServeConfig(model=model, metrics_port=-1, threads=1),
+    server = GeneratorServer(ServeConfig(model=model, metrics_port=-1, threads=1), registry=CollectorRegistry(),
                              security=tls.ServerSecurity(tls.TLSFiles.from_dir(pki, "generator")))
     revoked = tmp_path / "revoked.txt"
     revoked.write_text("client-2\ncoordinator\n")
@@ -263,10 +264,12 @@ def test_a_client_checks_every_generator_certificate_against_its_revocation_list
         with pytest.raises(RevokedServer, match=f"refusing the generator at 127.0.0.1:{port}: certificate serial "):
             check_servers(f"127.0.0.1:{port}", client, listed, what="generator", timeout_s=10)
         revoked.write_text("generator\n")
-        with pytest.raises(RevokedServer, match=f"node generator is revoked"):
+        with pytest.raises(RevokedServer, match="node generator is revoked"):
             check_servers(f"dns:///localhost:{port}", client, listed, what="generator", timeout_s=10)
     finally:
         server.stop(0)
+    with pytest.raises(ServerUnreachable, match=f"cannot read the certificate of the generator at 127.0.0.1:{port}"):
+        check_servers(f"127.0.0.1:{port}", client, listed, what="generator", timeout_s=10)  # stopped: retried as a lost link
         torch.set_num_threads(threads)
 
 

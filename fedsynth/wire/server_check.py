@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import socket
 
+from fedsynth.errors import FedsynthError
 from fedsynth.wire.tls import AuthenticationError, PeerIdentity, RevocationList, TLSFiles, identity_of_der, ssl_client_context
 
 
 class RevokedServer(AuthenticationError):
     """A server this node dials presents a certificate its revocation list names."""
+
+
+class ServerUnreachable(FedsynthError):
+    """The handshake that reads a server's certificate failed (refused, reset, timed out): retry as for a lost link."""
 
 
 def endpoints(target: str) -> list[tuple[str, int, str]]:
@@ -33,10 +38,17 @@ def presented_identity(host: str, port: int, server_name: str, files: TLSFiles, 
 
 def check_servers(target: str, files: TLSFiles, revoked: RevocationList, *, what: str, timeout_s: float) -> list[PeerIdentity]:
     """The identities of every server behind `target` (each address of a dns:/// name), none of them revoked;
-    RevokedServer naming the first that is. OSError when one cannot be reached (the caller retries as for a lost link)."""
+    RevokedServer naming the first that is; ServerUnreachable when one cannot be reached."""
     identities = []
-    for host, port, name in endpoints(target):
-        identity = presented_identity(host, port, name, files, timeout_s=timeout_s)
+    try:
+        addresses = endpoints(target)
+    except OSError as exc:
+        raise ServerUnreachable(f"cannot resolve the {what} at {target}: {exc}") from exc
+    for host, port, name in addresses:
+        try:
+            identity = presented_identity(host, port, name, files, timeout_s=timeout_s)
+        except OSError as exc:  # ssl.SSLError included: a handshake gRPC's own would fail as well
+            raise ServerUnreachable(f"cannot read the certificate of the {what} at {host}:{port}: {exc}") from exc
         refused(identity, revoked, what=f"{what} at {host}:{port}")
         identities.append(identity)
     return identities

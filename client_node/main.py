@@ -12,6 +12,7 @@ import torch
 
 from client_node.metrics import ClientMetrics
 from client_node.node import NodeOptions, run_clients
+from client_node.sdafl_client import remove_leftover_shards
 from fedsynth.process import lifetime
 from fedsynth.wire import tls
 from fedsynth.config import generator_addresses
@@ -58,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tls.add_tls_arguments(parser, server=False)
 
 
-def node_options(args: argparse.Namespace, ids: list[int]) -> dict[int, NodeOptions]:
+def node_options(args: argparse.Namespace, ids: list[int], revoked: tls.RevocationList | None) -> dict[int, NodeOptions]:
     """One NodeOptions per logical client: with TLS each dials with its own client-K certificate."""
     if len(ids) > 1 and (args.tls_cert or args.tls_key):
         raise ConfigError(f"--tls-cert/--tls-key name one identity but this process hosts clients {args.clients}; "
@@ -71,7 +72,8 @@ def node_options(args: argparse.Namespace, ids: list[int]) -> dict[int, NodeOpti
         credentials = None if files is None else tls.channel_credentials(files)
         options[cid] = NodeOptions(coordinator=args.coordinator, generator=args.generator, cache_dir=Path(args.cache_dir),
                                    reconnect_timeout_s=args.reconnect_timeout, credentials=credentials,
-                                   data_plane_tls=None if files is None else tls.ssl_client_context(files))
+                                   data_plane_tls=None if files is None else tls.ssl_client_context(files),
+                                   tls_files=files, revoked=revoked)
     return options
 
 
@@ -86,8 +88,11 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.torch_threads)
     # The first optimizer imports torch._dynamo (~3 s): pay it here, not inside a round where a SIGTERM would wait on it.
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    options = node_options(args, ids)
-    metrics_server = serve_metrics_from_args(args, tls.tls_files_from_args(args, f"client-{ids[0]}"))  # the first client's pair
+    first = tls.tls_files_from_args(args, f"client-{ids[0]}")  # /metrics serves HTTPS with the first client's pair
+    revoked = tls.revocation_from_args(args, first)
+    options = node_options(args, ids, revoked)
+    remove_leftover_shards(Path(args.cache_dir))
+    metrics_server = serve_metrics_from_args(args, first, revoked)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -18,7 +18,7 @@ import torch
 from client_node.fedmix_client import mean_data, pool_from_group, upload_mean_data
 from client_node.heartbeats import send_heartbeats
 from client_node.metrics import ClientMetrics
-from client_node.sdafl_client import ensure_samples, upload
+from client_node.sdafl_client import ensure_samples, report_failure, upload
 from client_node.synthesis import SyntheticSet, fedeas_total, synthesize
 from fedsynth.wire import codec, data_plane, grpcutil, wire_dtype
 from fedsynth.assembly import (
@@ -33,6 +33,8 @@ from fedsynth.assembly import (
 from fedsynth.config import RunConfig, from_json
 from fedsynth.errors import FedsynthError, StopRequested, WireError
 from fedsynth.wire.raw_messages import submit_update_call
+from fedsynth.wire.server_check import ServerUnreachable, check_servers, refused
+from fedsynth.wire.tls import PeerIdentity, RevocationList, TLSFiles
 from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_OK
 from fedsynth.wire.tensor_buffer import decode_views, encode_parts, encode_to_buffer
 from fedsynth.learning.evaluation import count_predictions
@@ -54,6 +56,8 @@ class NodeOptions:
     reconnect_timeout_s: float = 300.0
     credentials: grpc.ChannelCredentials | None = None
     data_plane_tls: ssl.SSLContext | None = None  # the same identity as `credentials`, for the coordinator's data plane
+    tls_files: TLSFiles | None = None  # the pair behind `credentials`: checking the servers' certificates
+    revoked: RevocationList | None = None  # refuse a coordinator or generator whose certificate it lists
 
 
 @dataclass
@@ -89,6 +93,7 @@ class LogicalClient:
         self.state: ClientState | None = None
         self._stream: grpc.Future | None = None
         self._data_plane: data_plane.Endpoint | None = None  # announced at registration (runtime.data_plane = "tcp")
+        self._coordinator_identity: PeerIdentity | None = None  # its certificate's, when a revocation list is checked
 
     def cancel(self) -> None:
         """Break out of a blocking dispatch stream (used on SIGTERM)."""
@@ -111,7 +116,7 @@ class LogicalClient:
                 except StopRequested as stopped:  # nothing was uploaded; the synthetic cache is written atomically
                     log.info("client %d: %s", self.client_id, stopped)
                     break
-                except grpc.RpcError as exc:
+                except (grpc.RpcError, ServerUnreachable) as exc:
                     if self.stop.is_set():
                         break
                     code = exc.code() if isinstance(exc, grpc.Call) else None
@@ -135,6 +140,7 @@ class LogicalClient:
 
     def _session(self, stub: pb_grpc.CoordinatorStub) -> None:
         spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=RPC_TIMEOUT_S, wait_for_ready=True)
+        self._check_coordinator()
         if self.state is None:
             self.state = self._prepare(from_json(spec.config_json))
         cfg = self.state.cfg
@@ -157,10 +163,16 @@ class LogicalClient:
                 raise RunEnded(False, f"registration refused: {exc.details()}", EXIT_ERROR) from exc
             raise
         if cfg.train.algorithm == "sdafl" and not reply.synthetic_uploaded:
-            images, privacy = ensure_samples(
-                cfg, self.client_id, self.state.real_x, self.options.cache_dir,
-                timeout_s=cfg.runtime.registration_timeout_s, torch_threads=torch.get_num_threads(), should_stop=self.stop.is_set,
-            )
+            try:
+                images, privacy = ensure_samples(
+                    cfg, self.client_id, self.state.real_x, self.options.cache_dir,
+                    timeout_s=cfg.runtime.registration_timeout_s, torch_threads=torch.get_num_threads(), should_stop=self.stop.is_set,
+                )
+            except StopRequested:
+                raise
+            except FedsynthError as failure:
+                report_failure(stub, self.client_id, reply.session, failure, timeout_s=RPC_TIMEOUT_S)
+                raise
             upload(stub, self.client_id, reply.session, images, privacy, timeout_s=RPC_TIMEOUT_S * 4)
         if reply.mean_data_wanted:
             mean_batch = int(getattr(self.algorithm, "mean_batch"))
@@ -185,6 +197,8 @@ class LogicalClient:
                     raise RunEnded(message.finished.success, message.finished.reason, message.finished.exit_code)
                 if kind != "task":
                     raise WireError(f"expected a task header, got {kind}")
+                if self._coordinator_identity is not None and self.options.revoked is not None:
+                    refused(self._coordinator_identity, self.options.revoked, what=f"coordinator at {self.options.coordinator}")
                 if message.task.evaluate:
                     self._do_evaluation(stub, reply.session, message.task, stream)
                 else:
@@ -200,6 +214,14 @@ class LogicalClient:
             heartbeats.join(timeout=cfg.runtime.heartbeat_s)
             self._stream = None
             stream.cancel()
+
+    def _check_coordinator(self) -> None:
+        """With a revocation list: the coordinator's certificate, read in a handshake of our own on every (re)connection
+        (gRPC does not show a client its server's certificate), must not be revoked (RevokedServer ends the client)."""
+        if self.options.revoked is None or self.options.tls_files is None:
+            return
+        [self._coordinator_identity] = check_servers(self.options.coordinator, self.options.tls_files, self.options.revoked,
+                                                     what="coordinator", timeout_s=RPC_TIMEOUT_S)
 
     def _prepare(self, cfg: RunConfig) -> ClientState:
         shard, test = local_test_split(cfg, self.client_id, client_shard(cfg, self.client_id))

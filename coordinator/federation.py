@@ -179,6 +179,14 @@ class Federation:
             self.registry.record(header["client_id"], header["session"])
         return self.sdafl.accept_upload(header["client_id"], header, chunks)
 
+    def report_setup_failure(self, client_id: int, session: str, reason: str) -> None:
+        """SDA-FL: a registered client's DP-GAN failed; it will upload nothing, so the upload wait stops counting on it."""
+        if self.sdafl is None:
+            raise StateError(f"this run's algorithm is {self.cfg.train.algorithm!r}; setup failures are SDA-FL's DP-GAN's")
+        with self.lock:
+            self.registry.record(client_id, session)
+        self.sdafl.fail(client_id, reason)
+
     def accept_mean_data(self, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]]) -> int:
         """FedMix / NaiveMix: validate and pool one client's mean data (once per client, before round 1)."""
         if self.mean_pool is None:

@@ -17,10 +17,11 @@ from coordinator.synthetic_pool import UNLABELLED, SyntheticPool, mixup_finetune
 from fedsynth.wire import codec
 from fedsynth.config import RunConfig
 from fedsynth.learning.data import ArrayDataset, load_dataset
-from fedsynth.errors import QuorumError, WireError
+from fedsynth.errors import QuorumError, StateError, WireError
 
 log = logging.getLogger(__name__)
 REFERENCE_MAX_SAMPLES = 10_000
+MAX_REASON_CHARS = 500  # of a client's failure report, kept for the log
 REFERENCE_TIMEOUT_S = 3600.0  # logistic regression on 10,000 CIFAR images: minutes on a crowded CPU, bounded by max_iter
 
 
@@ -69,6 +70,7 @@ class SdaflServer:
             train = load_dataset(cfg.data.dataset, "train", data_dir=cfg.data.data_dir, download=cfg.data.download)
             self.reference = ReferenceClassifier(train, cfg.seed)
         self._lock = threading.Condition()
+        self.failed: dict[int, str] = {}  # client id -> why its DP-GAN failed (it will not upload)
 
     # ---- uploads ---------------------------------------------------------------------------------
 
@@ -89,6 +91,7 @@ class SdaflServer:
         with self._lock:
             self.pool.check_header(client_id, header["count"], shape, header["dtype"])  # a concurrent duplicate lost the race
             self.pool.add(client_id, images, privacy)
+            self.failed.pop(client_id, None)  # it failed before, was restarted and made it
             self._lock.notify_all()
         log.info("client %d uploaded %d synthetic samples (epsilon %.2f, delta %.1e)", client_id, len(images), privacy["epsilon"], privacy["delta"])
         return len(images)
@@ -97,13 +100,30 @@ class SdaflServer:
         with self._lock:
             return client_id in self.pool.uploads
 
+    def fail(self, client_id: int, reason: str) -> None:
+        """The client's DP-GAN failed (its own report): the upload wait no longer waits for it."""
+        reason = " ".join(reason.split())[:MAX_REASON_CHARS] or "no reason given"
+        with self._lock:
+            if client_id in self.pool.uploads:
+                raise StateError(f"client {client_id} already uploaded its synthetic samples")
+            self.failed[client_id] = reason
+            self._lock.notify_all()
+        log.warning("client %d will upload no synthetic samples: %s", client_id, reason)
+
     def await_uploads(self, registered: list[int], *, timeout_s: float, need: int) -> None:
+        """Until every registered client uploaded or reported its DP-GAN failed (at most timeout_s); QuorumError,
+        naming the failures, when fewer than `need` uploaded."""
         stop_at = time.monotonic() + timeout_s
         with self._lock:
-            while len(self.pool.uploads) < len(registered) and time.monotonic() < stop_at:
+            while not set(registered) <= set(self.pool.uploads) | set(self.failed) and time.monotonic() < stop_at:
                 self._lock.wait(timeout=0.5)
+            failures = "; ".join(f"client {c}: {why}" for c, why in sorted(self.failed.items()))
             if len(self.pool.uploads) < need:
-                raise QuorumError(f"only {len(self.pool.uploads)} of {len(registered)} clients uploaded synthetic samples within {timeout_s:.0f}s")
+                within = f"within {timeout_s:.0f}s" if not failures else f"(quorum {need}; {failures})"
+                raise QuorumError(f"only {len(self.pool.uploads)} of {len(registered)} clients uploaded synthetic samples {within}")
+            if failures:
+                log.warning("going on with the synthetic samples of %d of %d clients (quorum %d); %s",
+                            len(self.pool.uploads), len(registered), need, failures)
 
     # ---- per round -------------------------------------------------------------------------------
 

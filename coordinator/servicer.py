@@ -220,6 +220,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             _abort_for(context, exc)
         return pb.SubmitReply(accepted=True)
 
+    def ReportSetupFailure(self, request: pb.SetupFailure, context: grpc.ServicerContext) -> pb.SetupFailureReply:
+        try:
+            self.federation.report_setup_failure(request.client_id, request.session, request.reason)
+        except (WireError, StateError) as exc:
+            _abort_for(context, exc)
+        return pb.SetupFailureReply()
+
     def WatchRounds(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.RoundSummary]:
         q = self.federation.watch()
         context.add_callback(lambda: self.federation.unwatch(q))

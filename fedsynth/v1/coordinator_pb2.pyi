@@ -313,3 +313,17 @@ class EvaluationResult(_message.Message):
     class_total: _containers.RepeatedScalarFieldContainer[int]
     evaluate_seconds: float
     def __init__(self, client_id: _Optional[int] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., examples: _Optional[int] = ..., correct: _Optional[int] = ..., loss_sum: _Optional[float] = ..., class_correct: _Optional[_Iterable[int]] = ..., class_total: _Optional[_Iterable[int]] = ..., evaluate_seconds: _Optional[float] = ...) -> None: ...
+
+class SetupFailure(_message.Message):
+    __slots__ = ("client_id", "session", "reason")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    session: str
+    reason: str
+    def __init__(self, client_id: _Optional[int] = ..., session: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SetupFailureReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -79,6 +79,11 @@ class CoordinatorStub:
                 request_serializer=fedsynth_dot_v1_dot_coordinator__pb2.EvaluationResult.SerializeToString,
                 response_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.SubmitReply.FromString,
                 _registered_method=True)
+        self.ReportSetupFailure = channel.unary_unary(
+                '/fedsynth.v1.Coordinator/ReportSetupFailure',
+                request_serializer=fedsynth_dot_v1_dot_coordinator__pb2.SetupFailure.SerializeToString,
+                response_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.SetupFailureReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -150,6 +155,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportSetupFailure(self, request, context):
+        """SDA-FL: a client whose DP-GAN failed says so at once instead of never uploading, so the coordinator goes on with
+        a quorum of uploads (or ends below it) without waiting out runtime.registration_timeout_s; the client then leaves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -197,6 +210,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.SubmitEvaluation,
                     request_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.EvaluationResult.FromString,
                     response_serializer=fedsynth_dot_v1_dot_coordinator__pb2.SubmitReply.SerializeToString,
+            ),
+            'ReportSetupFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportSetupFailure,
+                    request_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.SetupFailure.FromString,
+                    response_serializer=fedsynth_dot_v1_dot_coordinator__pb2.SetupFailureReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -442,6 +460,33 @@ class Coordinator:
             '/fedsynth.v1.Coordinator/SubmitEvaluation',
             fedsynth_dot_v1_dot_coordinator__pb2.EvaluationResult.SerializeToString,
             fedsynth_dot_v1_dot_coordinator__pb2.SubmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportSetupFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedsynth.v1.Coordinator/ReportSetupFailure',
+            fedsynth_dot_v1_dot_coordinator__pb2.SetupFailure.SerializeToString,
+            fedsynth_dot_v1_dot_coordinator__pb2.SetupFailureReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,6 +27,7 @@ CLAIMED_CLIENT_ID: dict[str, tls.ClaimedClientId] = {
     "UploadSynthetic": lambda first: first.header.client_id if first.WhichOneof("kind") == "header" else None,
     "UploadMeanData": lambda first: first.header.client_id if first.WhichOneof("kind") == "header" else None,
     "ReportSetupFailure": lambda request: request.client_id,
+    "SubmitEvaluation": lambda request: request.client_id,
 }
 
 # Flow control for uploads: each SubmitUpdate stream may have at most this many unread bytes buffered in gRPC. A stream

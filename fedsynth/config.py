@@ -15,6 +15,8 @@ from fedsynth.config_schema import (
     ACCOUNTANTS,
     ALGORITHM_PARAMS,
     ALGORITHMS,
+    BUILTIN_SCHEMAS,
+    DATA_SOURCES,
     DATASETS,
     DATA_PLANES,
     GENERATOR_BACKENDS,
@@ -33,6 +35,8 @@ PAPER_RULE = {"exponent": 0.5, "entropy_factor": True}  # FedEAS's b_k as the pa
 # Keys that came later (text2image's, the quality filter's): at these defaults, old fingerprints hold.
 LATER_GENERATION_KEYS = {"prompt_template": "a photo of a {name}", "class_names_file": None, "min_confidence": 0.0}
 DEFAULT_PROMPT_TEMPLATE = LATER_GENERATION_KEYS["prompt_template"]
+# Local data's keys came later too: at these defaults (split mode, the dataset's built-in schema), old fingerprints hold.
+LATER_DATA_KEYS = {"source": "split", "classes": None, "image_size": None, "channels": None}
 MAX_SEED = 2**32 - 1  # torch, numpy and the derived per-client seeds all take it
 
 
@@ -52,15 +56,48 @@ class DataConfig(Section):
     alpha: float = 0.1
     min_size: int = 10
     holdout_fraction: float = 0.0
+    # "split": each client cuts its shard of `dataset` by the seeded split above; "local": each client node loads its
+    # own folder (`fedsynth client --data`; the launcher passes `local_dir`/client-<k>) and the coordinator holds none.
+    source: str = "split"
+    local_dir: str | None = None  # the launcher's folder of client-<k>/ folders (`fedsynth data split --out`)
+    # The federation's label schema: class names in label order, square image side, channels. Left out, the built-in
+    # dataset's (digits: "0".."9", 8, 1; cifar10/cifar100: their names, 32, 3).
+    classes: tuple[str, ...] | None = None
+    image_size: int | None = None
+    channels: int | None = None
 
     def check(self) -> None:
         self.one_of("dataset", DATASETS)
-        self.non_empty("data_dir")
+        self.non_empty("data_dir", "local_dir")
         self.at_least(1, "clients")
         self.one_of("partition", PARTITIONS)
         self.above(0, "alpha")
         self.at_least(0, "min_size")
         self.within("holdout_fraction", 0, 1, high_open=True)
+        self.one_of("source", DATA_SOURCES)
+        self.at_least(1, "image_size")
+        if self.channels is not None and self.channels not in (1, 3):
+            self._fail("channels", "1 (grayscale) or 3 (RGB)")
+        if self.classes is not None:
+            if len(self.classes) < 2:
+                self._fail("classes", "a list of at least 2 class names")
+            for name in self.classes:
+                if not name.strip() or name != name.strip() or "/" in name or "\\" in name or name in (".", ".."):
+                    raise ConfigError(f"data.classes: {name!r} is not a usable class name (a folder name: no slashes, "
+                                      "no surrounding spaces)")
+            if len(set(self.classes)) < len(self.classes):
+                raise ConfigError(f"data.classes names a class twice: {list(self.classes)!r}")
+        if self.source == "local" and self.dataset not in BUILTIN_SCHEMAS:
+            for name in ("classes", "image_size", "channels"):
+                if getattr(self, name) is None:
+                    raise ConfigError(f"data.{name} must be set when data.source = \"local\" and data.dataset = "
+                                      f"{self.dataset!r} (only {', '.join(BUILTIN_SCHEMAS)} bring a built-in schema)")
+
+    def schema(self) -> tuple[tuple[str, ...] | None, int | None, int | None]:
+        """(classes, image_size, channels): the keys given, else the built-in dataset's (None where npz has none)."""
+        builtin = BUILTIN_SCHEMAS.get(self.dataset, (None, None, None))
+        given = (self.classes, self.image_size, self.channels)
+        return tuple(mine if mine is not None else theirs for mine, theirs in zip(given, builtin))  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -259,6 +296,10 @@ class RunConfig(Section):
         runtime settings and the number of rounds are left out, so a finished run can be extended."""
         content = self.to_dict()
         content.pop("out_dir")
+        content["data"].pop("local_dir")  # where the launcher finds the client folders changes no result
+        for key, default in LATER_DATA_KEYS.items():  # keys that came later: at their defaults, old fingerprints hold
+            if content["data"][key] == default:
+                content["data"].pop(key)
         content["generation"].pop("evaluate_per_class")  # scoring the generator after the run changes no result
         wire_dtype = content.pop("runtime")["wire_dtype"]
         if wire_dtype != "float32":  # rounding the updates changes results; at the default, old fingerprints hold

@@ -22,7 +22,10 @@ from client_node.synthesis import SyntheticSet, fedeas_total, synthesize
 from fedsynth.wire import codec, data_plane, grpcutil, wire_dtype
 from fedsynth.assembly import algorithm_for, client_seed, client_shard, local_train_config, model_for, round_generator
 from fedsynth.config import RunConfig, from_json
-from fedsynth.errors import FedsynthError, StopRequested, WireError
+from fedsynth.errors import ConfigError, DataError, FedsynthError, StopRequested, WireError
+from fedsynth.learning.data import ArrayDataset
+from fedsynth.learning.label_schema import schema_of
+from fedsynth.learning.local_data import load_client_data
 from fedsynth.wire.raw_messages import submit_update_call
 from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_OK
 from fedsynth.wire.tensor_buffer import decode_views, encode_parts, encode_to_buffer
@@ -44,6 +47,12 @@ class NodeOptions:
     reconnect_timeout_s: float = 300.0
     credentials: grpc.ChannelCredentials | None = None
     data_plane_tls: ssl.SSLContext | None = None  # the same identity as `credentials`, for the coordinator's data plane
+    data_path: Path | None = None  # local mode (data.source = "local"): this client's own data (`--data`)
+
+
+class RegistrationRefused(FedsynthError):
+    """The coordinator refused this client's registration for good (FAILED_PRECONDITION: e.g. its data does not fit the
+    run's label schema); its data will not change on a retry."""
 
 
 @dataclass
@@ -53,6 +62,14 @@ class ClientState:
     cfg: RunConfig
     real_x: np.ndarray
     real_y: np.ndarray
+    # Local mode: the client's own test split (its folder's test/), kept for federated evaluation; None without one.
+    local_test: ArrayDataset | None = None
+    # What registration reports about the label schema: the digest the data was written for, its image channels and
+    # side, and class names the data holds that the schema lacks.
+    schema_digest: str = ""
+    image_channels: int = 0
+    image_size: int = 0
+    unknown_classes: tuple[str, ...] = ()
     data: TrainData | None = None
     synthetic: SyntheticSet | None = None
     algorithm_state: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -128,7 +145,8 @@ class LogicalClient:
             self.state = self._prepare(from_json(spec.config_json))
         cfg = self.state.cfg
         counts = np.bincount(self.state.real_y, minlength=self.num_classes)
-        reply = stub.Register(
+        reply = self._register(
+            stub,
             pb.RegisterRequest(
                 client_id=self.client_id,
                 num_samples=len(self.state.real_y),
@@ -137,8 +155,11 @@ class LogicalClient:
                 run_id=spec.run_id,
                 synthetic_digest=self.state.shared_digest,
                 label_counts=[int(c) for c in counts] if cfg.train.algorithm == "fedgen" else [],
+                schema_digest=self.state.schema_digest,
+                image_channels=self.state.image_channels,
+                image_size=self.state.image_size,
+                unknown_classes=list(self.state.unknown_classes),
             ),
-            timeout=RPC_TIMEOUT_S,
         )
         if cfg.train.algorithm == "sdafl" and not reply.synthetic_uploaded:
             images, privacy = ensure_samples(
@@ -182,13 +203,40 @@ class LogicalClient:
             self._stream = None
             stream.cancel()
 
+    def _register(self, stub: pb_grpc.CoordinatorStub, request: pb.RegisterRequest) -> pb.RegisterReply:
+        try:
+            return stub.Register(request, timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise RegistrationRefused(f"refused by the coordinator: {exc.details()}") from None
+            raise
+
     def _prepare(self, cfg: RunConfig) -> ClientState:
-        shard = client_shard(cfg, self.client_id)
-        self.model = model_for(cfg, num_classes=shard.num_classes, in_channels=shard.image_shape[0], image_size=shard.image_shape[1])
+        """Load this client's data: its shard of the run's dataset (split mode) or its own folder (local mode)."""
+        schema = schema_of(cfg.data)
+        if cfg.data.source == "local":
+            if self.options.data_path is None or schema is None:
+                raise ConfigError(f"client {self.client_id}: the run's data.source is \"local\" but this node got no --data "
+                                  f"for client {self.client_id}")
+            local = load_client_data(self.options.data_path, schema, client_id=self.client_id, min_size=cfg.data.min_size,
+                                     cache_dir=self.options.cache_dir / "data")
+            shard, channels, size = local.train, schema.channels, schema.image_size
+            state = ClientState(cfg, shard.x, shard.y, local.test, local.schema_digest, shard.x.shape[3], shard.x.shape[1],
+                                local.unknown_classes)
+            log.info("client %d: loaded %d training and %d test images (%s) from %s", self.client_id, len(shard.y),
+                     0 if local.test is None else len(local.test.y), local.format, self.options.data_path)
+        else:
+            if self.options.data_path is not None:
+                raise DataError(f"client {self.client_id}: --data was given but the run's data.source is \"split\" "
+                                "(set data.source = \"local\" in the run config)")
+            shard = client_shard(cfg, self.client_id)
+            channels, size = shard.image_shape[0], shard.image_shape[1]
+            state = ClientState(cfg, shard.x, shard.y, None, schema.digest() if schema is not None else "", channels, size)
+        self.model = model_for(cfg, num_classes=shard.num_classes, in_channels=channels, image_size=size)
         self.layout = codec.layout_of(self.model.state_dict())
         self.algorithm = algorithm_for(cfg)
         self.num_classes = shard.num_classes
-        return ClientState(cfg, shard.x, shard.y)
+        return state
 
     # ---- one task ------------------------------------------------------------------------------
 

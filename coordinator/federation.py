@@ -29,6 +29,7 @@ from coordinator.registry import ClientRegistry
 from coordinator.rounds import RoundInProgress
 from coordinator.round_driver import RoundDriver
 from coordinator.run_state import RunState
+from coordinator.schema_check import Schema, check_schema
 from coordinator.sdafl_server import SdaflServer
 from coordinator.updates import decode_update, local_state
 from fedsynth.wire import wire_dtype
@@ -36,6 +37,7 @@ from fedsynth.algorithms.fedgen import FedGen, head_keys
 from fedsynth.assembly import algorithm_for, model_for
 from fedsynth.config import RunConfig
 from fedsynth.learning.data import load_dataset
+from fedsynth.learning.label_schema import schema_of
 from fedsynth.errors import StateError
 from fedsynth.learning.training import TrainData, images_to_tensor
 from fedsynth.wire.transfer import PreparedPayload
@@ -50,22 +52,28 @@ class Federation:
         self.metrics = metrics
         self.run_id = cfg.fingerprint()
         algorithm = algorithm_for(cfg)
-        test = load_dataset(cfg.data.dataset, "test", data_dir=cfg.data.data_dir, download=cfg.data.download)
-        test_data = TrainData(images_to_tensor(test.x), torch.as_tensor(test.y))
-        channels, height, _ = test.image_shape
+        schema = schema_of(cfg.data)
+        test_data: TrainData | None = None  # local mode: the coordinator holds no data, so no server evaluation
+        if cfg.data.source == "local" and schema is not None:
+            num_classes, (channels, height, width) = len(schema.classes), (schema.channels, schema.image_size, schema.image_size)
+        else:
+            test = load_dataset(cfg.data.dataset, "test", data_dir=cfg.data.data_dir, download=cfg.data.download)
+            test_data = TrainData(images_to_tensor(test.x), torch.as_tensor(test.y))
+            num_classes, (channels, height, width) = test.num_classes, test.image_shape
+        self.schema = Schema(schema.digest() if schema is not None else "", channels, height)
         torch.manual_seed(cfg.seed)
-        model = model_for(cfg, num_classes=test.num_classes, in_channels=channels, image_size=height)
+        model = model_for(cfg, num_classes=num_classes, in_channels=channels, image_size=height)
         self.state = RunState(model, algorithm, run_id=self.run_id, seed=cfg.seed)
         self.update_layout = wire_dtype.expected_layout(self.state.layout, cfg.runtime.wire_dtype)
-        self.sdafl = SdaflServer(cfg, test.image_shape, test.num_classes) if cfg.train.algorithm == "sdafl" else None
+        self.sdafl = SdaflServer(cfg, (channels, height, width), num_classes) if cfg.train.algorithm == "sdafl" else None
         self.mean_pool = None  # FedMix / NaiveMix: the clients' pooled mean data
         if cfg.train.algorithm in ("fedmix", "naivemix"):
-            self.mean_pool = MeanDataPool(image_shape_hwc=(height, test.image_shape[2], channels), num_classes=test.num_classes,
+            self.mean_pool = MeanDataPool(image_shape_hwc=(height, width, channels), num_classes=num_classes,
                                           mean_batch=getattr(algorithm, "mean_batch"), run_id=self.run_id)
         self.fedgen = FedGenServer(algorithm, seed=cfg.seed) if isinstance(algorithm, FedGen) else None
         self.lock = threading.Condition()
         self.registry = ClientRegistry(self.lock, metrics, run_id=self.run_id, num_clients=cfg.data.clients,
-                                       num_classes=test.num_classes)
+                                       num_classes=num_classes)
         self.progress = ProgressFeed(self.lock)
         self.driver = RoundDriver(cfg, out_dir=out_dir, lock=self.lock, registry=self.registry, state=self.state,
                                   algorithm=algorithm, sdafl=self.sdafl, metrics=metrics, progress=self.progress,
@@ -96,8 +104,10 @@ class Federation:
 
     def register(
         self, client_id: int, num_samples: int, fedeas_images: int, missing: Iterable[int], run_id: str, synthetic_digest: str = "",
-        label_counts: Iterable[int] = (),
+        label_counts: Iterable[int] = (), schema: Schema | None = None, unknown_classes: tuple[str, ...] = (),
     ) -> str:
+        if schema is not None:
+            check_schema(client_id, self.schema, schema, unknown_classes)  # before anything else: refused, not admitted
         shared = self.sdafl or self.mean_pool  # the set sent once to each client (SDA-FL's images, FedMix's means)
         return self.registry.register(
             client_id, num_samples, fedeas_images, missing, run_id,

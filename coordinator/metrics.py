@@ -46,6 +46,7 @@ class CoordinatorMetrics:
         for phase, seconds in summary["phases_s"].items():
             self.phase_duration.labels(phase=phase).observe(seconds)
         self.clients_participating.set(len(summary["participants"]))
-        self.accuracy.set(summary["accuracy"])
-        self.loss.set(summary["loss"])
+        if summary["accuracy"] is not None:  # None: no server test set (local mode)
+            self.accuracy.set(summary["accuracy"])
+            self.loss.set(summary["loss"])
         self.current_round.set(summary["round"])

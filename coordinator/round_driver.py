@@ -68,7 +68,7 @@ class ClosedRound:
 class RoundDriver:
     def __init__(self, cfg: RunConfig, *, out_dir: Path, lock: threading.Condition, registry: ClientRegistry,
                  state: RunState, algorithm: Algorithm, sdafl: SdaflServer | None, metrics: CoordinatorMetrics,
-                 progress: ProgressFeed, test_data: TrainData, mean_pool: MeanDataPool | None = None,
+                 progress: ProgressFeed, test_data: TrainData | None, mean_pool: MeanDataPool | None = None,
                  fedgen: FedGenServer | None = None) -> None:
         self.cfg = cfg
         self.out_dir = out_dir
@@ -102,7 +102,7 @@ class RoundDriver:
     def run(self) -> None:
         """Play every remaining round; raises QuorumError when the run cannot go on."""
         try:
-            if self.state.completed == 0 and not self.state.initial:
+            if self.state.completed == 0 and not self.state.initial and self.test_data is not None:
                 # here, not before the server binds: ResNet-18 on CIFAR's 10,000 test images takes minutes on a CPU,
                 # while the clients load their data and register
                 loss, acc = evaluate(self.state.model, self.test_data, self.cfg.train.eval_batch_size)
@@ -292,7 +292,8 @@ class RoundDriver:
         rnd = closed.rnd
         started = time.monotonic()
         self._eval_model.load_state_dict(closed.saved.global_state, assign=True)  # shares the checkpoint's tensors
-        loss, acc = evaluate(self._eval_model, self.test_data, self.cfg.train.eval_batch_size)
+        # No test set (local mode: the coordinator holds no data): no server evaluation, accuracy and loss are None.
+        loss, acc = (None, None) if self.test_data is None else evaluate(self._eval_model, self.test_data, self.cfg.train.eval_batch_size)
         phases = round_phases(rnd, closed.closed_at, time.monotonic() - started)
         summary = {
             "round": rnd.number,
@@ -319,7 +320,7 @@ class RoundDriver:
             self.state.history.append(summary)
             self.progress.publish(summary)
         self.metrics.observe_round(summary)
-        log.info("round %d: accuracy %.4f loss %.4f (%d/%d answered)", rnd.number, acc, loss, len(rnd.answered), len(rnd.sampled))
+        log.info("round %d: accuracy %s loss %s (%d/%d answered)", rnd.number, _fmt(acc), _fmt(loss), len(rnd.answered), len(rnd.sampled))
 
     def _wait_for_answers(self, rnd: RoundInProgress) -> None:
         grace = self.cfg.runtime.rejoin_grace_s
@@ -348,3 +349,7 @@ class RoundDriver:
                             f"have been unreachable for {grace:.0f}s; quorum is {rnd.need} of {len(rnd.sampled)}"
                         )
                 self.lock.wait(timeout=0.25)
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from coordinator.federation import Federation
 from coordinator.receive_slots import SLOTTED_UPLOAD_BYTES, UPLOAD_SLOTS, ReceiveSlots, UploadCancelled
 from coordinator.updates import header_fields
 from fedsynth.wire import codec
+from coordinator.schema_check import Schema
 from fedsynth.errors import StateError, WireError
 from fedsynth.wire.raw_messages import task_message
 from fedsynth.wire.transfer import receive_inline, receive_into
@@ -85,6 +87,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 request.run_id,
                 request.synthetic_digest,
                 request.label_counts,
+                schema=Schema(request.schema_digest, request.image_channels, request.image_size),
+                unknown_classes=tuple(request.unknown_classes),
             )
         except (WireError, StateError) as exc:
             _abort_for(context, exc)
@@ -222,8 +226,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             yield pb.RoundSummary(
                 round=item["round"],
                 total_rounds=total,
-                accuracy=item["accuracy"],
-                loss=item["loss"],
+                accuracy=math.nan if item["accuracy"] is None else item["accuracy"],  # NaN: no server test set
+                loss=math.nan if item["loss"] is None else item["loss"],
                 duration_s=item["duration_s"],
                 participants=len(item["participants"]),
             )

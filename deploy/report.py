@@ -22,8 +22,9 @@ def build_report(
     """generation.device_seconds is the generator's own sampling time (its Prometheus counter), when it ran; with the
     quality filter it includes the rejected candidates, and generation.quality_filter says how many there were."""
     rounds = coordinator.get("rounds", [])
-    accuracies = [r["accuracy"] for r in rounds]
+    accuracies = [r["accuracy"] for r in rounds]  # None where the coordinator had no test set (local mode)
     tail = accuracies[-LAST_N:]
+    tail = [] if None in tail else tail
     per_client = {cid: g for cid, g in coordinator.get("generation", {}).items()}
     phases = {phase: sum(r["phases_s"].get(phase, 0.0) for r in rounds) for phase in PHASES}
     phases["generation"] += generation_wall_s  # generator training/start-up before round 1, if any

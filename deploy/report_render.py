@@ -77,8 +77,9 @@ def load_run(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 def plot_accuracy(report: dict[str, Any], record: dict[str, Any], path: Path) -> Path:
     plt = pyplot()
     rounds = [r["round"] for r in report["rounds"]]
-    accuracy = [r["accuracy"] for r in report["rounds"]]
-    loss = [r["loss"] for r in report["rounds"]]
+    nan = float("nan")  # a round without server evaluation (no test set on the coordinator) leaves a gap
+    accuracy = [nan if r["accuracy"] is None else r["accuracy"] for r in report["rounds"]]
+    loss = [nan if r["loss"] is None else r["loss"] for r in report["rounds"]]
     if report.get("initial_accuracy") is not None:
         rounds, accuracy = [0, *rounds], [report["initial_accuracy"], *accuracy]
         initial_loss = (record.get("initial") or {}).get("loss")
@@ -234,7 +235,7 @@ def _markdown(report: dict[str, Any], record: dict[str, Any], gen_rows: list[Cli
         "| round | accuracy | loss | duration (s) | participants | bytes sent | bytes received |",
         "|---|---|---|---|---|---|---|",
         *[
-            f"| {r['round']} | {r['accuracy']:.4f} | {r['loss']:.4f} | {r['duration_s']:.2f} | {len(r['participants'])} "
+            f"| {r['round']} | {_fmt(r['accuracy'])} | {_fmt(r['loss'])} | {r['duration_s']:.2f} | {len(r['participants'])} "
             f"| {r['bytes_sent']:,} | {r['bytes_received']:,} |"
             for r in rounds
         ],

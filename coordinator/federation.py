@@ -29,7 +29,7 @@ from coordinator.registry import ClientRegistry
 from coordinator.rounds import RoundInProgress
 from coordinator.round_driver import RoundDriver
 from coordinator.run_state import RunState
-from coordinator.schema_check import Schema, check_schema
+from coordinator.schema_check import Schema, SchemaRefused, check_schema
 from coordinator.sdafl_server import SdaflServer
 from coordinator.updates import decode_update, local_state
 from fedsynth.wire import wire_dtype
@@ -107,7 +107,13 @@ class Federation:
         label_counts: Iterable[int] = (), schema: Schema | None = None, unknown_classes: tuple[str, ...] = (),
     ) -> str:
         if schema is not None:
-            check_schema(client_id, self.schema, schema, unknown_classes)  # before anything else: refused, not admitted
+            try:
+                check_schema(client_id, self.schema, schema, unknown_classes)  # first: refused, never admitted
+            except SchemaRefused:
+                with self.lock:
+                    self.registry.refused.add(client_id)  # the registration wait stops waiting for it
+                    self.lock.notify_all()
+                raise
         shared = self.sdafl or self.mean_pool  # the set sent once to each client (SDA-FL's images, FedMix's means)
         return self.registry.register(
             client_id, num_samples, fedeas_images, missing, run_id,

@@ -43,6 +43,7 @@ class ClientRegistry:
         self.num_clients = num_clients
         self.num_classes = num_classes
         self.clients: dict[int, ClientRecord] = {}
+        self.refused: set[int] = set()  # clients whose data does not fit the run (schema check): not waited for
         self.finished: Finished | None = None
 
     def register(self, client_id: int, num_samples: int, fedeas_images: int, missing: Iterable[int], run_id: str, *,

@@ -159,7 +159,7 @@ class RoundDriver:
         clients = self.registry.clients
         with self.lock:
             seen, last_change = 0, time.monotonic()
-            while len(clients) < k:
+            while len(clients) + len(self.registry.refused - clients.keys()) < k:  # a refused client never comes
                 now = time.monotonic()
                 if len(clients) != seen:
                     seen, last_change = len(clients), now

@@ -246,6 +246,8 @@ class Launcher:
         as {"error": ...} and the report is written."""
         if address is None or counters is None or self.cfg.generation.evaluate_per_class == 0:
             return None
+        if self.cfg.data.source == "local":  # the judge learns from real data, which in local mode only the clients hold
+            return None
         from deploy.generator_quality import generator_quality
 
         started = time.monotonic()

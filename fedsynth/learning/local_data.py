@@ -62,8 +62,13 @@ def load_client_data(path: str | Path, schema: LabelSchema, *, client_id: int, m
     else:
         train_root = root / "train" if (root / "train").is_dir() else root
         test_root = root / "test" if train_root != root and (root / "test").is_dir() else None
+        if root.is_file():
+            raise DataError(f"{where}: {root}: expected a folder (train/<class>/ images), an .npz or a datasets folder")
         train, unknown = _read_image_folder(train_root, schema, where, cache_dir, "train")
-        test = _read_image_folder(test_root, schema, where, cache_dir, "test")[0] if test_root is not None else None
+        test = None
+        if test_root is not None:
+            test, test_unknown = _read_image_folder(test_root, schema, where, cache_dir, "test")
+            unknown = tuple(sorted({*unknown, *test_unknown}))
         fmt = "imagefolder"
     if len(train.y) == 0 and not unknown:
         raise DataError(f"{where}: {root} holds no training images")

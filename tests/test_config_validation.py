@@ -41,6 +41,11 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "data.alpha": ("float", [0, -0.1, 0.0]),
     "data.min_size": ("int", [-1]),
     "data.holdout_fraction": ("float", [-0.1, 1, 1.5]),
+    "data.source": ("str", ["Local", "folder", ""]),
+    "data.local_dir": ("str?", [""]),
+    "data.classes": ("strlist?", [[], ["one"], ["a", "a"], ["a/b", "c"], [" a", "b"], ["", "b"]]),
+    "data.image_size": ("int?", [0, -8]),
+    "data.channels": ("int?", [0, 2, 4]),
     "train.model": ("str", ["resnet50", ""]),
     "train.algorithm": ("str", ["sgd", "FedAvg", ""]),
     "train.rounds": ("int", [0, -1]),
@@ -140,6 +145,7 @@ def wrong_type_values(kind: str, rng: random.Random, count: int = 12) -> list[An
         "bool": ("str", "int", "fraction", "special", "list", "table", "none"),
         "str": ("int", "fraction", "special", "bool", "list", "table", "none"),
         "table": ("str", "int", "fraction", "special", "bool", "list", "none"),
+        "strlist": ("str", "int", "fraction", "special", "bool", "list", "table", "none"),  # "list": of integers
     }[kind.rstrip("?")]
     if kind.endswith("?"):
         wrong = tuple(name for name in wrong if name != "none")
@@ -414,6 +420,9 @@ def test_fedeas_ablation_keys_read_from_set_and_change_the_fingerprint_only_off_
     assert later in ({}, {"prompt_template": "a photo of a {name}", "class_names_file": None})  # text2image's, at defaults
     assert content["generation"].pop("min_confidence") == 0.0  # the quality filter's, off
     content["generation"].pop("evaluate_per_class")  # scoring the generator after the run: never in the fingerprint
+    content["data"].pop("local_dir")  # where the launcher finds client folders: never in the fingerprint
+    for key, default in {"source": "split", "classes": None, "image_size": None, "channels": None}.items():
+        assert content["data"].pop(key) == default  # local data's keys, at their defaults (split mode)
     assert paper.fingerprint() == hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
     fingerprints = {paper.fingerprint(), ablated.fingerprint(),
                     load_config(None, ["generation.exponent=1.0"]).fingerprint(),

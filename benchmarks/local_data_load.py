@@ -28,7 +28,7 @@ from fedsynth.config_schema import CIFAR10_CLASSES
 from fedsynth.learning.label_schema import LabelSchema
 from fedsynth.learning.local_data import DECODE_THREADS, load_client_data
 
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10" / "train.npz"
+DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10" / "train.npz"  # ../shared
 SCHEMA = LabelSchema(CIFAR10_CLASSES, 32, 3)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import ssl
 import threading
 import time
@@ -36,6 +37,7 @@ from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 30.0
+NODE_TOKEN = secrets.token_hex(8)  # this process's: the coordinator tells a reconnect from a second node claiming an id
 SUBSCRIBE_TIMEOUT_S = 3600.0  # the dispatch stream is renewed after an hour; keepalive notices a dead peer much sooner
 
 
@@ -159,6 +161,7 @@ class LogicalClient:
                 image_channels=self.state.image_channels,
                 image_size=self.state.image_size,
                 unknown_classes=list(self.state.unknown_classes),
+                node_token=NODE_TOKEN,
             ),
         )
         if cfg.train.algorithm == "sdafl" and not reply.synthetic_uploaded:

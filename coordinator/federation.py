@@ -105,6 +105,7 @@ class Federation:
     def register(
         self, client_id: int, num_samples: int, fedeas_images: int, missing: Iterable[int], run_id: str, synthetic_digest: str = "",
         label_counts: Iterable[int] = (), schema: Schema | None = None, unknown_classes: tuple[str, ...] = (),
+        node_token: str = "",
     ) -> str:
         if schema is not None:
             try:
@@ -121,6 +122,7 @@ class Federation:
             has_synthetic=lambda digest: shared is not None and bool(digest) and digest == shared.digest(),
             synthetic_digest=synthetic_digest,
             label_counts=label_counts, need_label_counts=self.fedgen is not None,
+            node_token=node_token, live_within_s=self.cfg.runtime.heartbeat_timeout_s,
         )
 
     def open_stream(self, client_id: int, session: str) -> queue.Queue[Any]:

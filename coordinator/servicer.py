@@ -89,6 +89,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 request.label_counts,
                 schema=Schema(request.schema_digest, request.image_channels, request.image_size),
                 unknown_classes=tuple(request.unknown_classes),
+                node_token=request.node_token,
             )
         except (WireError, StateError) as exc:
             _abort_for(context, exc)

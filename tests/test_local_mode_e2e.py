@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -17,6 +18,8 @@ from fedsynth.assembly import model_for
 from fedsynth.config import load_config
 from fedsynth.learning.data import load_dataset
 from fedsynth.learning.training import TrainData, evaluate, images_to_tensor
+from fedsynth.v1 import coordinator_pb2 as pb
+from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 from runtime_harness import Runtime, read_record, wait_exit
 
 SPLIT_FLAGS = ["--dataset", "digits", "--alpha", "0.1", "--seed", "3", "--holdout-fraction", "0.1"]
@@ -104,3 +107,23 @@ def test_a_client_with_a_class_outside_the_schema_is_refused_and_the_run_goes_on
     record = read_record(tmp_path / "run")
     assert record["success"] and len(record["rounds"]) == 2
     assert all(r["participants"] == [0, 1] for r in record["rounds"])
+
+
+@pytest.mark.slow
+def test_a_second_node_claiming_a_live_client_id_is_refused_and_a_reconnect_is_not(tmp_path: Path, runtime: Runtime) -> None:
+    coord = runtime.coordinator({"data.clients": 2, "runtime.heartbeat_s": 5.0, "runtime.heartbeat_timeout_s": 60.0},
+                                tmp_path / "run")
+    channel = grpc.insecure_channel(coord.address)
+    stub = pb_grpc.CoordinatorStub(channel)
+    spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=60, wait_for_ready=True)
+
+    def register(token: str) -> pb.RegisterReply:
+        return stub.Register(pb.RegisterRequest(client_id=0, num_samples=10, run_id=spec.run_id, node_token=token), timeout=30)
+
+    first = register("node-a")
+    with pytest.raises(grpc.RpcError) as caught:
+        register("node-b")
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert caught.value.details().startswith("client 0: two nodes claim client id 0: another node holds it")
+    assert register("node-a").session != first.session  # the same node again: a reconnect, admitted
+    channel.close()

@@ -71,8 +71,10 @@ def test_local_mode_over_split_folders_trains_exactly_as_split_mode(tmp_path: Pa
     local = _run(tmp_path / "local", local_sets)
     assert split["success"] and local["success"]
     assert [r["accuracy"] for r in local["rounds"]] == [None] * 3  # the coordinator holds no test set in local mode
-    for key in ("round", "participants", "train_loss"):
+    for key in ("round", "participants"):
         assert [r[key] for r in local["rounds"]] == [r[key] for r in split["rounds"]], key
+    # The round's train_loss is a mean over the clients in the order their updates arrived: equal up to the last bit.
+    assert [r["train_loss"] for r in local["rounds"]] == pytest.approx([r["train_loss"] for r in split["rounds"]], rel=1e-12)
     if arm.startswith("fedeas"):
         images = {cid: g["images"] for cid, g in local["generation"].items()}
         assert images == {cid: g["images"] for cid, g in split["generation"].items()} and sum(images.values()) > 0

@@ -196,3 +196,24 @@ def test_run_in_local_mode_without_a_folder_is_refused_before_any_process(tmp_pa
                            "--set", "data.clients=1", "--set", f'data.local_dir="{tmp_path / "d"}"'],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "no client-0" in done.stderr
+
+
+def test_generators_in_local_mode_read_the_schema_and_the_holdout_folder(digits_folders: Path, tmp_path: Path) -> None:
+    from deploy.generator_setup import backend_arguments
+    from deploy.processes import ProcessGroup
+    from generator_service.backends.holdout import load_holdout, load_holdout_folder
+    from generator_service.serve_cmd import ServeConfig
+
+    group = ProcessGroup(tmp_path / "out" / "logs")
+    cfg = load_config(None, ['generation.backend="text2image"', 'generation.model_dir="/models/sd-turbo"',
+                             'data.classes=["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine_x"]'])
+    flags = backend_arguments(cfg, group)
+    names_file = Path(flags[flags.index("--class-names-file") + 1])
+    assert names_file.read_text().splitlines() == ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine x"]
+    local = load_config(None, [*SPLIT, 'data.source="local"', f'data.local_dir="{digits_folders}"', 'generation.backend="holdout"'])
+    assert backend_arguments(local, group) == ["--backend", "holdout", "--holdout-dir", str(digits_folders / "holdout")]
+    with pytest.raises(ConfigError, match="--holdout-dir serves that folder as it is"):
+        ServeConfig(backend="holdout", holdout_dir=digits_folders / "holdout", seed=3)
+    served, reference = load_holdout_folder(digits_folders / "holdout"), load_holdout("digits", fraction=0.1, seed=3)
+    for c in range(10):  # the same images, class by class, in the same order as split mode's hold-out
+        assert np.array_equal(served._images[served.held_out(c)], reference._images[reference.held_out(c)])

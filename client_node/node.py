@@ -4,6 +4,7 @@ local test set and send counts); reconnect when the link drops."""
 from __future__ import annotations
 
 import logging
+import secrets
 import ssl
 import threading
 import time
@@ -31,7 +32,10 @@ from fedsynth.assembly import (
     round_generator,
 )
 from fedsynth.config import RunConfig, from_json
-from fedsynth.errors import FedsynthError, StopRequested, WireError
+from fedsynth.errors import ConfigError, DataError, FedsynthError, StopRequested, WireError
+from fedsynth.learning.data import ArrayDataset
+from fedsynth.learning.label_schema import schema_of
+from fedsynth.learning.local_data import load_client_data
 from fedsynth.wire.raw_messages import submit_update_call
 from fedsynth.wire.server_check import ServerUnreachable, check_servers, refused
 from fedsynth.wire.tls import PeerIdentity, RevocationList, TLSFiles
@@ -45,6 +49,7 @@ from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 30.0
+NODE_TOKEN = secrets.token_hex(8)  # this process's: the coordinator tells a reconnect from a second node claiming an id
 SUBSCRIBE_TIMEOUT_S = 3600.0  # the dispatch stream is renewed after an hour; keepalive notices a dead peer much sooner
 
 
@@ -58,6 +63,7 @@ class NodeOptions:
     data_plane_tls: ssl.SSLContext | None = None  # the same identity as `credentials`, for the coordinator's data plane
     tls_files: TLSFiles | None = None  # the pair behind `credentials`: checking the servers' certificates
     revoked: RevocationList | None = None  # refuse a coordinator or generator whose certificate it lists
+    data_path: Path | None = None  # local mode (data.source = "local"): this client's own data (`--data`)
 
 
 @dataclass
@@ -67,6 +73,14 @@ class ClientState:
     cfg: RunConfig
     real_x: np.ndarray
     real_y: np.ndarray
+    # Local mode: the client's own test split (its folder's test/), kept for federated evaluation; None without one.
+    local_test: ArrayDataset | None = None
+    # What registration reports about the label schema: the digest the data was written for, its image channels and
+    # side, and class names the data holds that the schema lacks.
+    schema_digest: str = ""
+    image_channels: int = 0
+    image_size: int = 0
+    unknown_classes: tuple[str, ...] = ()
     data: TrainData | None = None
     synthetic: SyntheticSet | None = None
     algorithm_state: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -155,6 +169,11 @@ class LogicalClient:
                     run_id=spec.run_id,
                     synthetic_digest=self.state.shared_digest,
                     label_counts=[int(c) for c in counts] if cfg.train.algorithm == "fedgen" else [],
+                    schema_digest=self.state.schema_digest,
+                    image_channels=self.state.image_channels,
+                    image_size=self.state.image_size,
+                    unknown_classes=list(self.state.unknown_classes),
+                    node_token=NODE_TOKEN,
                 ),
                 timeout=RPC_TIMEOUT_S,
             )
@@ -224,13 +243,33 @@ class LogicalClient:
                                                      what="coordinator", timeout_s=RPC_TIMEOUT_S)
 
     def _prepare(self, cfg: RunConfig) -> ClientState:
-        shard, test = local_test_split(cfg, self.client_id, client_shard(cfg, self.client_id))
-        self.model = model_for(cfg, num_classes=shard.num_classes, in_channels=shard.image_shape[0], image_size=shard.image_shape[1])
+        """Load this client's data: its shard of the run's dataset (split mode) or its own folder (local mode), and
+        choose its local test examples for federated evaluation."""
+        schema = schema_of(cfg.data)
+        if cfg.data.source == "local":
+            if self.options.data_path is None or schema is None:
+                raise ConfigError(f"client {self.client_id}: the run's data.source is \"local\" but this node got no --data "
+                                  f"for client {self.client_id}")
+            local = load_client_data(self.options.data_path, schema, client_id=self.client_id, min_size=cfg.data.min_size,
+                                     cache_dir=self.options.cache_dir / "data")
+            full, own_test, channels, size = local.train, local.test, schema.channels, schema.image_size
+            described = (local.schema_digest, full.x.shape[3], full.x.shape[1], local.unknown_classes)
+            log.info("client %d: loaded %d training and %d test images (%s) from %s", self.client_id, len(full.y),
+                     0 if own_test is None else len(own_test.y), local.format, self.options.data_path)
+        else:
+            if self.options.data_path is not None:
+                raise DataError(f"client {self.client_id}: --data was given but the run's data.source is \"split\" "
+                                "(set data.source = \"local\" in the run config)")
+            full, own_test = client_shard(cfg, self.client_id), None
+            channels, size = full.image_shape[0], full.image_shape[1]
+            described = (schema.digest() if schema is not None else "", channels, size, ())
+        shard, test = local_test_split(cfg, self.client_id, full, own_test=own_test)
+        self.model = model_for(cfg, num_classes=shard.num_classes, in_channels=channels, image_size=size)
         self.layout = codec.layout_of(self.model.state_dict())
         self.algorithm = algorithm_for(cfg)
         self.num_classes = shard.num_classes
         test_data = None if test is None else TrainData(images_to_tensor(test.x), torch.as_tensor(test.y, dtype=torch.int64))
-        return ClientState(cfg, shard.x, shard.y, test=test_data)
+        return ClientState(cfg, shard.x, shard.y, own_test, *described, test=test_data)
 
     # ---- one task ------------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from coordinator.registry import ClientRegistry
 from coordinator.rounds import RoundInProgress
 from coordinator.round_driver import RoundDriver
 from coordinator.run_state import RunState
+from coordinator.schema_check import Schema, SchemaRefused, check_schema
 from coordinator.sdafl_server import SdaflServer
 from coordinator.update_norms import update_norm
 from coordinator.updates import ReceivedUpdate, decode_update, local_state
@@ -37,6 +38,7 @@ from fedsynth.algorithms.fedgen import FedGen, head_keys
 from fedsynth.assembly import algorithm_for, model_for
 from fedsynth.config import RunConfig
 from fedsynth.learning.data import load_dataset
+from fedsynth.learning.label_schema import schema_of
 from fedsynth.errors import StateError
 from fedsynth.learning.evaluation import EvaluationCounts
 from fedsynth.learning.training import TrainData, images_to_tensor
@@ -52,22 +54,28 @@ class Federation:
         self.metrics = metrics
         self.run_id = cfg.fingerprint()
         algorithm = algorithm_for(cfg)
-        test = load_dataset(cfg.data.dataset, "test", data_dir=cfg.data.data_dir, download=cfg.data.download)
-        test_data = TrainData(images_to_tensor(test.x), torch.as_tensor(test.y))
-        channels, height, _ = test.image_shape
+        schema = schema_of(cfg.data)
+        test_data: TrainData | None = None  # local mode: the coordinator holds no data, so no server evaluation
+        if cfg.data.source == "local" and schema is not None:
+            num_classes, (channels, height, width) = len(schema.classes), (schema.channels, schema.image_size, schema.image_size)
+        else:
+            test = load_dataset(cfg.data.dataset, "test", data_dir=cfg.data.data_dir, download=cfg.data.download)
+            test_data = TrainData(images_to_tensor(test.x), torch.as_tensor(test.y))
+            num_classes, (channels, height, width) = test.num_classes, test.image_shape
+        self.schema = Schema(schema.digest() if schema is not None else "", channels, height)
         torch.manual_seed(cfg.seed)
-        model = model_for(cfg, num_classes=test.num_classes, in_channels=channels, image_size=height)
+        model = model_for(cfg, num_classes=num_classes, in_channels=channels, image_size=height)
         self.state = RunState(model, algorithm, run_id=self.run_id, seed=cfg.seed)
         self.update_layout = wire_dtype.expected_layout(self.state.layout, cfg.runtime.wire_dtype)
-        self.sdafl = SdaflServer(cfg, test.image_shape, test.num_classes) if cfg.train.algorithm == "sdafl" else None
+        self.sdafl = SdaflServer(cfg, (channels, height, width), num_classes) if cfg.train.algorithm == "sdafl" else None
         self.mean_pool = None  # FedMix / NaiveMix: the clients' pooled mean data
         if cfg.train.algorithm in ("fedmix", "naivemix"):
-            self.mean_pool = MeanDataPool(image_shape_hwc=(height, test.image_shape[2], channels), num_classes=test.num_classes,
+            self.mean_pool = MeanDataPool(image_shape_hwc=(height, width, channels), num_classes=num_classes,
                                           mean_batch=getattr(algorithm, "mean_batch"), run_id=self.run_id)
         self.fedgen = FedGenServer(algorithm, seed=cfg.seed) if isinstance(algorithm, FedGen) else None
         self.lock = threading.Condition()
         self.registry = ClientRegistry(self.lock, metrics, run_id=self.run_id, num_clients=cfg.data.clients,
-                                       num_classes=test.num_classes, max_samples=cfg.data.max_samples_per_client)
+                                       num_classes=num_classes, max_samples=cfg.data.max_samples_per_client)
         self.progress = ProgressFeed(self.lock)
         self.driver = RoundDriver(cfg, out_dir=out_dir, lock=self.lock, registry=self.registry, state=self.state,
                                   algorithm=algorithm, sdafl=self.sdafl, metrics=metrics, progress=self.progress,
@@ -98,8 +106,17 @@ class Federation:
 
     def register(
         self, client_id: int, num_samples: int, fedeas_images: int, missing: Iterable[int], run_id: str, synthetic_digest: str = "",
-        label_counts: Iterable[int] = (),
+        label_counts: Iterable[int] = (), schema: Schema | None = None, unknown_classes: tuple[str, ...] = (),
+        node_token: str = "",
     ) -> str:
+        if schema is not None:
+            try:
+                check_schema(client_id, self.schema, schema, unknown_classes)  # first: refused, never admitted
+            except SchemaRefused:
+                with self.lock:
+                    self.registry.refused.add(client_id)  # the registration wait stops waiting for it
+                    self.lock.notify_all()
+                raise
         shared = self.sdafl or self.mean_pool  # the set sent once to each client (SDA-FL's images, FedMix's means)
         return self.registry.register(
             client_id, num_samples, fedeas_images, missing, run_id,
@@ -107,6 +124,7 @@ class Federation:
             has_synthetic=lambda digest: shared is not None and bool(digest) and digest == shared.digest(),
             synthetic_digest=synthetic_digest,
             label_counts=label_counts, need_label_counts=self.fedgen is not None,
+            node_token=node_token, live_within_s=self.cfg.runtime.heartbeat_timeout_s,
         )
 
     def open_stream(self, client_id: int, session: str) -> queue.Queue[Any]:

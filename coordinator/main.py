@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     security = tls.ServerSecurity.from_args(args, "coordinator")
     security.credentials()  # read and checked before anything else starts
     cfg = load_config(args.config, args.set)
-    check_partition(cfg)  # an impossible split fails here, in seconds, before the server binds
+    if cfg.data.source == "split":  # local mode: the clients hold their own data, nothing to split
+        check_partition(cfg)  # an impossible split fails here, in seconds, before the server binds
     torch.set_num_threads(cfg.runtime.torch_threads)
     out_dir = Path(args.out_dir or cfg.out_dir)
     version = provenance()  # the code that plays this run, read before it starts (a checkout may change meanwhile)

@@ -67,7 +67,7 @@ class CoordinatorMetrics:
         for phase, seconds in summary["phases_s"].items():
             self.phase_duration.labels(phase=phase).observe(seconds)
         self.clients_participating.set(len(summary["participants"]))
-        if summary["accuracy"] is not None:  # None: evaluation "federated" and the clients did not test this round
+        if summary["accuracy"] is not None:  # None: no test this round (federated evaluation off its eval_every, or local mode)
             self.accuracy.set(summary["accuracy"])
             self.loss.set(summary["loss"])
         self.current_round.set(summary["round"])

@@ -30,6 +30,8 @@ class ClientRecord:
     has_synthetic: bool = False  # SDA-FL: holds the current shared synthetic images
     label_counts: tuple[int, ...] = ()  # FedGen: n_k^c per class, reported once at registration
     last_heartbeat: float | None = None  # monotonic time of its last Heartbeat RPC; None: it has sent none yet
+    node_token: str = ""  # the client-node process's random token (RegisterRequest.node_token)
+    registered_at: float = 0.0  # monotonic time of this registration
 
 
 class ClientRegistry:
@@ -44,11 +46,13 @@ class ClientRegistry:
         self.num_classes = num_classes
         self.max_samples = max_samples  # data.max_samples_per_client: the largest N_k (aggregation weight) admitted; 0 = any
         self.clients: dict[int, ClientRecord] = {}
+        self.refused: set[int] = set()  # clients whose data does not fit the run (schema check): not waited for
         self.finished: Finished | None = None
 
     def register(self, client_id: int, num_samples: int, fedeas_images: int, missing: Iterable[int], run_id: str, *,
                  data_fixed: bool, has_synthetic: Callable[[str], bool], synthetic_digest: str = "",
-                 label_counts: Iterable[int] = (), need_label_counts: bool = False) -> str:
+                 label_counts: Iterable[int] = (), need_label_counts: bool = False, node_token: str = "",
+                 live_within_s: float = 0.0) -> str:
         """Admit (or re-admit) a client; once the budget is fixed (data_fixed) it must report the same data.
         With need_label_counts (FedGen) it must report C label counts summing to num_samples, and the same ones again."""
         if run_id != self.run_id:
@@ -72,6 +76,14 @@ class ClientRegistry:
             raise WireError(f"client {client_id}'s label counts sum to {sum(counts)}, but it reported num_samples={num_samples}")
         with self.lock:
             old = self.clients.get(client_id)
+            if old and node_token and old.node_token and node_token != old.node_token:
+                last_seen = max(old.registered_at, old.last_heartbeat or 0.0)
+                if time.monotonic() - last_seen < live_within_s:
+                    problem = (f"client {client_id}: two nodes claim client id {client_id}: another node holds it and was "
+                               f"heard from {time.monotonic() - last_seen:.1f}s ago (runtime.heartbeat_timeout_s = "
+                               f"{live_within_s:g})")
+                    log.warning("refused %s", problem)
+                    raise StateError(problem)
             if old and old.label_counts and counts != old.label_counts:
                 raise StateError(f"client {client_id} re-registered with label counts {list(counts)}, not {list(old.label_counts)}")
             if old and data_fixed and (old.num_samples, old.fedeas_images, old.missing_classes) != (num_samples, fedeas_images, missing):
@@ -79,6 +91,7 @@ class ClientRegistry:
             record = ClientRecord(client_id, num_samples, fedeas_images, missing, secrets.token_hex(16))
             record.has_synthetic = has_synthetic(synthetic_digest)
             record.label_counts = counts
+            record.node_token, record.registered_at = node_token, time.monotonic()
             if old is not None:
                 record.generation = old.generation
                 self._close_outbox(old)

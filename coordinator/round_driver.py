@@ -70,7 +70,7 @@ class ClosedRound:
 class RoundDriver:
     def __init__(self, cfg: RunConfig, *, out_dir: Path, lock: threading.Condition, registry: ClientRegistry,
                  state: RunState, algorithm: Algorithm, sdafl: SdaflServer | None, metrics: CoordinatorMetrics,
-                 progress: ProgressFeed, test_data: TrainData, mean_pool: MeanDataPool | None = None,
+                 progress: ProgressFeed, test_data: TrainData | None, mean_pool: MeanDataPool | None = None,
                  fedgen: FedGenServer | None = None) -> None:
         self.cfg = cfg
         self.out_dir = out_dir
@@ -87,7 +87,8 @@ class RoundDriver:
         self.current: RoundInProgress | None = None
         # train.evaluation "federated" / "both": the clients test closed rounds on their local test sets (counts only)
         self.federated = FederatedEvaluator(cfg, lock, registry) if cfg.train.evaluation != "server" else None
-        self.server_evaluates = cfg.train.evaluation != "federated"
+        # No test set on the coordinator (local mode without one): no server evaluation, whatever train.evaluation says
+        self.server_evaluates = cfg.train.evaluation != "federated" and test_data is not None
         self.norm_bound = NormBound(cfg.runtime)
         # With overlap_evaluation, round r is tested (then checkpointed and published) on this thread while
         # round r+1 already trains: the clients never wait for the coordinator's test pass.
@@ -165,7 +166,7 @@ class RoundDriver:
         clients = self.registry.clients
         with self.lock:
             seen, last_change = 0, time.monotonic()
-            while len(clients) < k:
+            while len(clients) + len(self.registry.refused - clients.keys()) < k:  # a refused client never comes
                 now = time.monotonic()
                 if len(clients) != seen:
                     seen, last_change = len(clients), now
@@ -376,8 +377,7 @@ class RoundDriver:
             self.state.history.append(summary)
             self.progress.publish(summary)
         self.metrics.observe_round(summary)
-        log.info("round %d: accuracy %s loss %s (%d/%d answered)", rnd.number, "n/a" if acc is None else f"{acc:.4f}",
-                 "n/a" if loss is None else f"{loss:.4f}", len(rnd.answered), len(rnd.sampled))
+        log.info("round %d: accuracy %s loss %s (%d/%d answered)", rnd.number, _fmt(acc), _fmt(loss), len(rnd.answered), len(rnd.sampled))
         if figures is not None:
             log.info("round %d: federated accuracy %s (weighted), mean %s, worst %s (client %s), p10 %s", rnd.number,
                      figures["weighted_accuracy"], figures["mean_accuracy"], figures["worst_accuracy"], figures["worst_client"],
@@ -410,3 +410,7 @@ class RoundDriver:
                             f"have been unreachable for {grace:.0f}s; quorum is {rnd.need} of {len(rnd.sampled)}"
                         )
                 self.lock.wait(timeout=0.25)
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"

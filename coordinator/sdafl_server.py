@@ -66,7 +66,7 @@ class SdaflServer:
         self.cfg = cfg
         self.pool = SyntheticPool(image_shape=(h, w, c), num_classes=num_classes, max_per_client=cfg.sdafl.samples_per_client, tau=cfg.sdafl.tau)
         self.reference: ReferenceClassifier | None = None
-        if cfg.sdafl.track_agreement:
+        if cfg.sdafl.track_agreement and cfg.data.source == "split":  # local mode: the coordinator holds no data
             train = load_dataset(cfg.data.dataset, "train", data_dir=cfg.data.data_dir, download=cfg.data.download)
             self.reference = ReferenceClassifier(train, cfg.seed)
         self._lock = threading.Condition()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from coordinator.federation import Federation
 from coordinator.receive_slots import SLOTTED_UPLOAD_BYTES, UPLOAD_SLOTS, ReceiveSlots, UploadCancelled
 from coordinator.updates import header_fields
 from fedsynth.wire import codec
+from coordinator.schema_check import Schema
 from fedsynth.errors import StateError, WireError
 from fedsynth.learning.evaluation import EvaluationCounts
 from fedsynth.wire.raw_messages import task_message
@@ -86,6 +88,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 request.run_id,
                 request.synthetic_digest,
                 request.label_counts,
+                schema=Schema(request.schema_digest, request.image_channels, request.image_size),
+                unknown_classes=tuple(request.unknown_classes),
+                node_token=request.node_token,
             )
         except (WireError, StateError) as exc:
             _abort_for(context, exc)

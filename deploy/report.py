@@ -24,9 +24,10 @@ def build_report(
     quality filter it includes the rejected candidates, and generation.quality_filter says how many there were.
     `version`: what made the run (fedsynth.process.provenance); the coordinator's own block when it is not given."""
     rounds = coordinator.get("rounds", [])
-    # None: a round nobody tested (train.evaluation = "federated", off its eval_every)
+    # None: a round nobody tested (federated evaluation off its eval_every; local mode with no server test set)
     accuracies = [r["accuracy"] for r in rounds if r["accuracy"] is not None]
     tail = accuracies[-LAST_N:]
+    tail = [] if None in tail else tail
     per_client = {cid: g for cid, g in coordinator.get("generation", {}).items()}
     phases = {phase: sum(r["phases_s"].get(phase, 0.0) for r in rounds) for phase in PHASES}
     phases["generation"] += generation_wall_s  # generator training/start-up before round 1, if any

@@ -68,13 +68,18 @@ def local_test_fraction(cfg: RunConfig) -> float:
     return fraction
 
 
-def local_test_split(cfg: RunConfig, client_id: int, shard: ArrayDataset) -> tuple[ArrayDataset, ArrayDataset | None]:
-    """(what client k trains on, its local test set or None): the seeded held-out part of its shard. The one place
-    that chooses a client's test examples (a client with a test folder of its own passes that instead).
-    At a fraction of 0 the shard is returned as it is: training data bit for bit as without federated evaluation."""
+def local_test_split(cfg: RunConfig, client_id: int, shard: ArrayDataset, *,
+                     own_test: ArrayDataset | None = None) -> tuple[ArrayDataset, ArrayDataset | None]:
+    """(what client k trains on, its local test set or None): the one place that chooses a client's test examples.
+    Under federated evaluation a client with a test folder of its own (`own_test`, local mode) tests on it and trains
+    on its whole shard, unless data.local_test_fraction is set; otherwise the seeded held-out part of its shard. At a
+    fraction of 0 (server-only evaluation) the shard is returned as it is: training data bit for bit as without
+    federated evaluation."""
     fraction = local_test_fraction(cfg)
     if fraction == 0:
         return shard, None
+    if own_test is not None and cfg.data.local_test_fraction == 0:
+        return shard, own_test
     train, test = held_out_indices(len(shard.y), fraction, client_seed(cfg, client_id, "local-test") % (2**32))
     return shard.subset(train), shard.subset(test)
 

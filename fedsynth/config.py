@@ -15,6 +15,8 @@ from fedsynth.config_schema import (
     ACCOUNTANTS,
     ALGORITHM_PARAMS,
     ALGORITHMS,
+    BUILTIN_SCHEMAS,
+    DATA_SOURCES,
     DATASETS,
     DATA_PLANES,
     EVALUATIONS,
@@ -40,6 +42,8 @@ LATER_EVALUATION_KEYS = {"data": {"local_test_fraction": 0.0}, "train": {"evalua
 # runtime's bounded-update keys (coordinator.update_norms): with the bound off they change nothing, and a set bound
 # enters the fingerprint (clipping changes results) only then, so old fingerprints hold.
 UPDATE_NORM_KEYS = ("max_update_norm", "max_update_norm_factor", "update_norm_action")
+# Local data's keys came later too: at these defaults (split mode, the dataset's built-in schema), old fingerprints hold.
+LATER_DATA_KEYS = {"source": "split", "classes": None, "image_size": None, "channels": None}
 MAX_SEED = 2**32 - 1  # torch, numpy and the derived per-client seeds all take it
 
 
@@ -67,10 +71,19 @@ class DataConfig(Section):
     # A registration reporting more samples than this (N_k, the client's aggregation weight) is refused; 0 = no limit.
     # It decides who may join, not what a joined client computes: left out of the fingerprint.
     max_samples_per_client: int = 0
+    # "split": each client cuts its shard of `dataset` by the seeded split above; "local": each client node loads its
+    # own folder (`fedsynth client --data`; the launcher passes `local_dir`/client-<k>) and the coordinator holds none.
+    source: str = "split"
+    local_dir: str | None = None  # the launcher's folder of client-<k>/ folders (`fedsynth data split --out`)
+    # The federation's label schema: class names in label order, square image side, channels. Left out, the built-in
+    # dataset's (digits: "0".."9", 8, 1; cifar10/cifar100: their names, 32, 3).
+    classes: tuple[str, ...] | None = None
+    image_size: int | None = None
+    channels: int | None = None
 
     def check(self) -> None:
         self.one_of("dataset", DATASETS)
-        self.non_empty("data_dir")
+        self.non_empty("data_dir", "local_dir")
         self.at_least(1, "clients")
         self.one_of("partition", PARTITIONS)
         self.above(0, "alpha")
@@ -78,6 +91,30 @@ class DataConfig(Section):
         self.within("holdout_fraction", 0, 1, high_open=True)
         self.within("local_test_fraction", 0, 1, high_open=True)
         self.at_least(0, "max_samples_per_client")
+        self.one_of("source", DATA_SOURCES)
+        self.at_least(1, "image_size")
+        if self.channels is not None and self.channels not in (1, 3):
+            self._fail("channels", "1 (grayscale) or 3 (RGB)")
+        if self.classes is not None:
+            if len(self.classes) < 2:
+                self._fail("classes", "a list of at least 2 class names")
+            for name in self.classes:
+                if not name.strip() or name != name.strip() or "/" in name or "\\" in name or name in (".", ".."):
+                    raise ConfigError(f"data.classes: {name!r} is not a usable class name (a folder name: no slashes, "
+                                      "no surrounding spaces)")
+            if len(set(self.classes)) < len(self.classes):
+                raise ConfigError(f"data.classes names a class twice: {list(self.classes)!r}")
+        if self.source == "local" and self.dataset not in BUILTIN_SCHEMAS:
+            for name in ("classes", "image_size", "channels"):
+                if getattr(self, name) is None:
+                    raise ConfigError(f"data.{name} must be set when data.source = \"local\" and data.dataset = "
+                                      f"{self.dataset!r} (only {', '.join(BUILTIN_SCHEMAS)} bring a built-in schema)")
+
+    def schema(self) -> tuple[tuple[str, ...] | None, int | None, int | None]:
+        """(classes, image_size, channels): the keys given, else the built-in dataset's (None where npz has none)."""
+        builtin = BUILTIN_SCHEMAS.get(self.dataset, (None, None, None))
+        given = (self.classes, self.image_size, self.channels)
+        return tuple(mine if mine is not None else theirs for mine, theirs in zip(given, builtin))  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -291,6 +328,9 @@ class RunConfig(Section):
     def check(self) -> None:
         self.non_empty("name", "out_dir")
         self.within("seed", 0, MAX_SEED)
+        if self.data.source == "local" and self.train.evaluation != "federated":
+            raise ConfigError(f"train.evaluation must be \"federated\" when data.source = \"local\": the coordinator holds "
+                              f"no test data, got {self.train.evaluation!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -300,6 +340,10 @@ class RunConfig(Section):
         runtime settings and the number of rounds are left out, so a finished run can be extended."""
         content = self.to_dict()
         content.pop("out_dir")
+        content["data"].pop("local_dir")  # where the launcher finds the client folders changes no result
+        for key, default in LATER_DATA_KEYS.items():  # keys that came later: at their defaults, old fingerprints hold
+            if content["data"][key] == default:
+                content["data"].pop(key)
         content["generation"].pop("evaluate_per_class")  # scoring the generator after the run changes no result
         content["data"].pop("max_samples_per_client")
         runtime = content.pop("runtime")
@@ -349,6 +393,9 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
 def from_dict(raw: dict[str, Any]) -> RunConfig:
     _require(isinstance(raw, dict), f"a run config must be a table, got {raw!r}")
     sections: dict[str, Any] = {}
+    data, train = raw.get("data", {}), raw.get("train", {})
+    if isinstance(data, dict) and isinstance(train, dict) and data.get("source") == "local" and "evaluation" not in train:
+        raw = {**raw, "train": {**train, "evaluation": "federated"}}  # local mode's default: the clients test
     for name, cls in SECTIONS.items():
         table = raw.get(name, {})
         _require(isinstance(table, dict), f"{name} must be a table (the [{name}] section), got {table!r}")

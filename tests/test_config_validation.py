@@ -43,6 +43,11 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "data.holdout_fraction": ("float", [-0.1, 1, 1.5]),
     "data.local_test_fraction": ("float", [-0.1, 1, 1.5]),
     "data.max_samples_per_client": ("int", [-1]),
+    "data.source": ("str", ["Local", "folder", ""]),
+    "data.local_dir": ("str?", [""]),
+    "data.classes": ("strlist?", [[], ["one"], ["a", "a"], ["a/b", "c"], [" a", "b"], ["", "b"]]),
+    "data.image_size": ("int?", [0, -8]),
+    "data.channels": ("int?", [0, 2, 4]),
     "train.model": ("str", ["resnet50", ""]),
     "train.algorithm": ("str", ["sgd", "FedAvg", ""]),
     "train.rounds": ("int", [0, -1]),
@@ -149,6 +154,7 @@ def wrong_type_values(kind: str, rng: random.Random, count: int = 12) -> list[An
         "str": ("int", "fraction", "special", "bool", "list", "table", "none"),
         "table": ("str", "int", "fraction", "special", "bool", "list", "none"),
         "float|str": ("special", "bool", "list", "table", "none"),
+        "strlist": ("str", "int", "fraction", "special", "bool", "list", "table", "none"),  # "list": of integers
     }[kind.rstrip("?")]
     if kind.endswith("?"):
         wrong = tuple(name for name in wrong if name != "none")
@@ -428,6 +434,9 @@ def test_fedeas_ablation_keys_read_from_set_and_change_the_fingerprint_only_off_
     assert content["data"].pop("local_test_fraction") == 0.0  # federated evaluation's keys, at their defaults
     assert [content["train"].pop(key) for key in ("evaluation", "eval_every", "fraction_evaluate")] == ["server", 1, 1.0]
     content["data"].pop("max_samples_per_client")  # who may register: never in the fingerprint
+    content["data"].pop("local_dir")  # where the launcher finds client folders: never in the fingerprint
+    for key, default in {"source": "split", "classes": None, "image_size": None, "channels": None}.items():
+        assert content["data"].pop(key) == default  # local data's keys, at their defaults (split mode)
     assert paper.fingerprint() == hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
     fingerprints = {paper.fingerprint(), ablated.fingerprint(),
                     load_config(None, ["generation.exponent=1.0"]).fingerprint(),

@@ -23,11 +23,11 @@ from fedsynth.wire import codec, data_plane, grpcutil, wire_dtype
 from fedsynth.assembly import algorithm_for, client_seed, client_shard, local_train_config, model_for, round_generator
 from fedsynth.config import RunConfig, from_json
 from fedsynth.errors import FedsynthError, StopRequested, WireError
-from fedsynth.wire.raw_messages import submit_update_call
+from fedsynth.wire.raw_messages import submit_update_call, subscribe_call
 from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_OK
-from fedsynth.wire.tensor_buffer import decode_views, encode_parts, encode_to_buffer
+from fedsynth.wire.tensor_buffer import decode_views, encode_parts
 from fedsynth.learning.training import TrainData, images_to_tensor
-from fedsynth.wire.transfer import chunk_messages, describe_buffer, receive_inline, receive_into
+from fedsynth.wire.transfer import chunk_messages, describe_parts, receive_inline, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -89,6 +89,7 @@ class LogicalClient:
         channel = grpcutil.make_channel(self.options.coordinator, self.options.credentials)
         stub = pb_grpc.CoordinatorStub(channel)
         self._submit_update = submit_update_call(channel)  # sends chunk messages serialized by hand, as they are
+        self._subscribe = subscribe_call(channel)  # chunk messages parsed by hand: views of the received bytes
         lost_since: float | None = None
         try:
             while not self.stop.is_set():
@@ -154,7 +155,7 @@ class LogicalClient:
         self._data_plane = None if not reply.data_port else data_plane.Endpoint(
             self.options.coordinator.rpartition(":")[0].strip("[]"), reply.data_port, self.options.data_plane_tls)
         log.info("client %d: registered (N_k=%d, %d rounds done)", self.client_id, len(self.state.real_y), reply.completed_rounds)
-        stream = stub.Subscribe(pb.SubscribeRequest(client_id=self.client_id, session=reply.session), timeout=SUBSCRIBE_TIMEOUT_S)
+        stream = self._subscribe(pb.SubscribeRequest(client_id=self.client_id, session=reply.session), timeout=SUBSCRIBE_TIMEOUT_S)
         self._stream = stream
         beating = threading.Event()
         heartbeats = threading.Thread(target=send_heartbeats, name=f"heartbeat-{self.client_id}", daemon=True,
@@ -193,7 +194,7 @@ class LogicalClient:
     # ---- one task ------------------------------------------------------------------------------
 
     def _receive_payload(self, task: pb.Task, stream: Iterator[pb.ServerMessage]) -> dict[str, dict[str, torch.Tensor]]:
-        def chunks() -> Iterator[tuple[int, bytes]]:
+        def chunks() -> Iterator[tuple[int, bytes | memoryview]]:
             received = 0
             while received < task.payload.num_chunks:
                 message = next(stream)
@@ -204,7 +205,7 @@ class LogicalClient:
                 received += 1
                 yield message.chunk.seq, message.chunk.data
 
-        meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
+        meta = codec.meta_of(task.payload)
         if task.data_ticket:
             buffer = data_plane.fetch(self._endpoint(), task.data_ticket, timeout_s=max(RPC_TIMEOUT_S, task.deadline_s))
         elif task.inline_payload:
@@ -260,33 +261,34 @@ class LogicalClient:
         model_group, extra_group = wire_dtype.outgoing(update.state, update.extra, global_state, cfg.runtime.wire_dtype)
         outgoing = codec.join_prefixed(model=model_group, extra=extra_group)
         del model_group, extra_group
-        if task.data_ticket:  # sent from the tensors' own memory, checksummed as it goes: no encoded copy, no SHA-256
-            parts = encode_parts(outgoing)
+        # Sent from the tensors' own memory (no encoded copy): on the data plane checksummed as it goes; on gRPC
+        # XXH3-128 first (the header announces it), then each chunk message built with one copy of its bytes.
+        parts = encode_parts(outgoing)
+        if task.data_ticket:
             meta = codec.PayloadMeta(sum(part.nbytes for part in parts), "", 0)
         else:
-            payload = encode_to_buffer(outgoing)
-            meta = describe_buffer(payload)
+            meta = describe_parts(parts)
             if meta.num_chunks == 1:  # it fits one chunk: it travels in the header, one message
-                meta = codec.PayloadMeta(meta.total_bytes, meta.sha256, 0)
-        del outgoing  # the parts (or the payload) hold what they need
+                meta = replace(meta, num_chunks=0)
+        del outgoing  # the parts hold what they need
         header = pb.UpdateHeader(
             client_id=self.client_id,
             session=session,
             round=task.round,
             task_id=task.task_id,
-            payload=pb.Payload(total_bytes=meta.total_bytes, sha256=meta.sha256, num_chunks=meta.num_chunks),
+            payload=pb.Payload(total_bytes=meta.total_bytes, sha256=meta.sha256, num_chunks=meta.num_chunks, xxh3_128=meta.xxh3_128),
             train_seconds=train_seconds,
             train_loss=update.train_loss,
             num_steps=update.num_steps,
             train_samples=len(self.state.data),
             generation=generation_report,
-            inline_payload=b"" if task.data_ticket or meta.num_chunks else bytes(payload.numpy()),
+            inline_payload=b"" if task.data_ticket or meta.num_chunks else b"".join(parts),
         )
 
         def messages() -> Iterator[pb.UpdateChunk | bytes]:
             yield pb.UpdateChunk(header=header)
             if not header.inline_payload:
-                yield from chunk_messages(payload)
+                yield from chunk_messages(parts)
 
         def submit() -> object:
             timeout_s = max(RPC_TIMEOUT_S, task.deadline_s)

@@ -34,7 +34,7 @@ from fedsynth.allocation import assigned_quota
 from fedsynth.config import RunConfig
 from fedsynth.errors import QuorumError
 from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_INTERNAL, EXIT_OK
-from fedsynth.wire.tensor_buffer import encode_to_buffer
+from fedsynth.wire.tensor_buffer import encode_parts, encode_to_buffer
 from fedsynth.learning.training import TrainData, evaluate
 from fedsynth.wire.transfer import PreparedPayload, prepare
 
@@ -204,11 +204,12 @@ class RoundDriver:
             groups["synthetic"] = self.sdafl.task_groups(with_images=with_images)
         if self.mean_pool is not None:
             groups["mean"] = self.mean_pool.task_group(with_data=with_images)
-        buffer = encode_to_buffer(codec.join_prefixed(**groups))
+        tensors = codec.join_prefixed(**groups)
+        parts = encode_parts(tensors)  # the tensors' own memory: framed straight into chunk messages, no encoded copy
         runtime = self.cfg.runtime
-        if runtime.data_plane == "tcp" and buffer.numel() >= runtime.data_plane_min_bytes:
-            return data_plane.prepare(buffer)
-        return prepare(buffer)
+        if runtime.data_plane == "tcp" and sum(part.nbytes for part in parts) >= runtime.data_plane_min_bytes:
+            return data_plane.prepare(encode_to_buffer(tensors))  # kept for the round: a copy the model may not change
+        return prepare(parts)
 
     def _play_round(self, number: int) -> None:
         state = self.state

@@ -19,15 +19,16 @@ from client_node.heartbeats import send_heartbeats
 from client_node.metrics import ClientMetrics
 from client_node.sdafl_client import ensure_samples, upload
 from client_node.synthesis import SyntheticSet, fedeas_total, synthesize
+from client_node.uploads import payload_message, stream_upload
 from fedsynth.wire import codec, data_plane, grpcutil, wire_dtype
 from fedsynth.assembly import algorithm_for, client_seed, client_shard, local_train_config, model_for, round_generator
 from fedsynth.config import RunConfig, from_json
 from fedsynth.errors import FedsynthError, StopRequested, WireError
-from fedsynth.wire.raw_messages import submit_update_call, subscribe_call
+from fedsynth.wire.raw_messages import submit_update_call, subscribe_call, upload_call
 from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_OK
 from fedsynth.wire.tensor_buffer import decode_views, encode_parts
 from fedsynth.learning.training import TrainData, images_to_tensor
-from fedsynth.wire.transfer import chunk_messages, describe_parts, receive_inline, receive_into
+from fedsynth.wire.transfer import receive_inline, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -90,6 +91,8 @@ class LogicalClient:
         stub = pb_grpc.CoordinatorStub(channel)
         self._submit_update = submit_update_call(channel)  # sends chunk messages serialized by hand, as they are
         self._subscribe = subscribe_call(channel)  # chunk messages parsed by hand: views of the received bytes
+        self._upload_synthetic = upload_call(channel, "UploadSynthetic")
+        self._upload_mean_data = upload_call(channel, "UploadMeanData")
         lost_since: float | None = None
         try:
             while not self.stop.is_set():
@@ -146,12 +149,13 @@ class LogicalClient:
                 cfg, self.client_id, self.state.real_x, self.options.cache_dir,
                 timeout_s=cfg.runtime.registration_timeout_s, torch_threads=torch.get_num_threads(), should_stop=self.stop.is_set,
             )
-            upload(stub, self.client_id, reply.session, images, privacy, timeout_s=RPC_TIMEOUT_S * 4)
+            upload(self._upload_synthetic, self.client_id, reply.session, images, privacy, timeout_s=RPC_TIMEOUT_S * 4)
         if reply.mean_data_wanted:
             mean_batch = int(getattr(self.algorithm, "mean_batch"))
             means_x, means_y = mean_data(self.state.real_x, self.state.real_y, num_classes=self.num_classes, mean_batch=mean_batch,
                                          seed=client_seed(cfg, self.client_id, "fedmix-means") % (2**32))
-            upload_mean_data(stub, self.client_id, reply.session, means_x, means_y, mean_batch=mean_batch, timeout_s=RPC_TIMEOUT_S * 4)
+            upload_mean_data(self._upload_mean_data, self.client_id, reply.session, means_x, means_y, mean_batch=mean_batch,
+                             timeout_s=RPC_TIMEOUT_S * 4)
         self._data_plane = None if not reply.data_port else data_plane.Endpoint(
             self.options.coordinator.rpartition(":")[0].strip("[]"), reply.data_port, self.options.data_plane_tls)
         log.info("client %d: registered (N_k=%d, %d rounds done)", self.client_id, len(self.state.real_y), reply.completed_rounds)
@@ -261,44 +265,27 @@ class LogicalClient:
         model_group, extra_group = wire_dtype.outgoing(update.state, update.extra, global_state, cfg.runtime.wire_dtype)
         outgoing = codec.join_prefixed(model=model_group, extra=extra_group)
         del model_group, extra_group
-        # Sent from the tensors' own memory (no encoded copy): on the data plane checksummed as it goes; on gRPC
-        # XXH3-128 first (the header announces it), then each chunk message built with one copy of its bytes.
-        parts = encode_parts(outgoing)
-        if task.data_ticket:
-            meta = codec.PayloadMeta(sum(part.nbytes for part in parts), "", 0)
-        else:
-            meta = describe_parts(parts)
-            if meta.num_chunks == 1:  # it fits one chunk: it travels in the header, one message
-                meta = replace(meta, num_chunks=0)
+        parts = encode_parts(outgoing)  # sent from the tensors' own memory: no encoded copy
         del outgoing  # the parts hold what they need
-        header = pb.UpdateHeader(
-            client_id=self.client_id,
-            session=session,
-            round=task.round,
-            task_id=task.task_id,
-            payload=pb.Payload(total_bytes=meta.total_bytes, sha256=meta.sha256, num_chunks=meta.num_chunks, xxh3_128=meta.xxh3_128),
-            train_seconds=train_seconds,
-            train_loss=update.train_loss,
-            num_steps=update.num_steps,
-            train_samples=len(self.state.data),
-            generation=generation_report,
-            inline_payload=b"" if task.data_ticket or meta.num_chunks else b"".join(parts),
-        )
+        total = sum(part.nbytes for part in parts)
 
-        def messages() -> Iterator[pb.UpdateChunk | bytes]:
-            yield pb.UpdateChunk(header=header)
-            if not header.inline_payload:
-                yield from chunk_messages(parts)
+        def header(meta: codec.PayloadMeta, inline: bytes) -> pb.UpdateChunk:
+            return pb.UpdateChunk(header=pb.UpdateHeader(
+                client_id=self.client_id, session=session, round=task.round, task_id=task.task_id, payload=payload_message(meta),
+                train_seconds=train_seconds, train_loss=update.train_loss, num_steps=update.num_steps,
+                train_samples=len(self.state.data), generation=generation_report,
+                inline_payload=inline,
+            ))
 
-        def submit() -> object:
-            timeout_s = max(RPC_TIMEOUT_S, task.deadline_s)
-            if task.data_ticket:
-                return data_plane.submit(self._endpoint(), task.data_ticket, header.SerializeToString(), parts, timeout_s=timeout_s)
-            return self._submit_update(messages(), timeout=timeout_s)
-
-        log.info("client %d: uploading round %d (%d bytes)", self.client_id, task.round, meta.total_bytes)
-        grpcutil.call_with_retry(submit, deadline_s=max(RPC_TIMEOUT_S, task.deadline_s), what=f"client {self.client_id} submit")
-        self.metrics.bytes_sent.inc(meta.total_bytes)
+        timeout_s = max(RPC_TIMEOUT_S, task.deadline_s)
+        log.info("client %d: uploading round %d (%d bytes)", self.client_id, task.round, total)
+        if task.data_ticket:  # checksummed as it goes, over the data plane
+            opening = header(codec.PayloadMeta(total, "", 0), b"").header.SerializeToString()
+            grpcutil.call_with_retry(lambda: data_plane.submit(self._endpoint(), task.data_ticket, opening, parts, timeout_s=timeout_s),
+                                     deadline_s=timeout_s, what=f"client {self.client_id} submit")
+        else:
+            stream_upload(self._submit_update, header, parts, timeout_s=timeout_s, what=f"client {self.client_id} submit", inline=True)
+        self.metrics.bytes_sent.inc(total)
         self.metrics.rounds.inc()
         log.info("client %d: round %d done (%.1fs training, loss %.4f)", self.client_id, task.round, train_seconds, update.train_loss)
 

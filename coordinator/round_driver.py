@@ -108,22 +108,11 @@ class RoundDriver:
                 loss, acc = evaluate(self.state.model, self.test_data, self.cfg.train.eval_batch_size)
                 self.state.initial = {"accuracy": acc, "loss": loss}
             self._await_registrations()
+            runtime = self.cfg.runtime
             if self.sdafl is not None:
-                with self.lock:
-                    registered = sorted(self.registry.clients)
-                self.sdafl.await_uploads(
-                    registered,
-                    timeout_s=self.cfg.runtime.registration_timeout_s + self.cfg.runtime.round_timeout_s,
-                    need=quorum_size(self.cfg.data.clients, self.cfg.runtime.quorum),
-                )
+                self._await_uploads(self.sdafl, timeout_s=runtime.registration_timeout_s + runtime.round_timeout_s)
             if self.mean_pool is not None and not self.mean_pool.closed:
-                with self.lock:
-                    registered = sorted(self.registry.clients)
-                self.mean_pool.await_uploads(
-                    registered,
-                    timeout_s=self.cfg.runtime.registration_timeout_s,
-                    need=quorum_size(self.cfg.data.clients, self.cfg.runtime.quorum),
-                )
+                self._await_uploads(self.mean_pool, timeout_s=runtime.registration_timeout_s)
                 self.mean_pool.save(self.out_dir)
             for number in range(self.state.completed + 1, self.cfg.train.rounds + 1):
                 self._play_round(number)
@@ -147,6 +136,12 @@ class RoundDriver:
         log.info("run finished: %s", finished.reason)
 
     # ---- before round 1 ------------------------------------------------------------------------
+
+    def _await_uploads(self, pool: SdaflServer | MeanDataPool, *, timeout_s: float) -> None:
+        """Every registered client's one-off upload (a quorum at least), before round 1."""
+        with self.lock:
+            registered = sorted(self.registry.clients)
+        pool.await_uploads(registered, timeout_s=timeout_s, need=quorum_size(self.cfg.data.clients, self.cfg.runtime.quorum))
 
     def _await_registrations(self) -> None:
         """A fresh run waits for all K clients (up to registration_timeout_s). A resumed run goes on once a quorum

@@ -13,11 +13,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from coordinator.shared_uploads import await_uploads
 from coordinator.synthetic_pool import UNLABELLED, SyntheticPool, mixup_finetune
 from fedsynth.wire import codec
 from fedsynth.config import RunConfig
 from fedsynth.learning.data import ArrayDataset, load_dataset
-from fedsynth.errors import QuorumError, WireError
+from fedsynth.errors import WireError
 
 log = logging.getLogger(__name__)
 REFERENCE_MAX_SAMPLES = 10_000
@@ -82,7 +83,7 @@ class SdaflServer:
         expected = header["count"] * int(np.prod(shape))
         if header["total_bytes"] != expected:
             raise WireError(f"synthetic upload announces {header['total_bytes']} bytes; {header['count']} images of {shape} are {expected}")
-        meta = codec.PayloadMeta(header["total_bytes"], header["sha256"], header["num_chunks"])
+        meta = codec.PayloadMeta(header["total_bytes"], header["sha256"], header["num_chunks"], header.get("xxh3_128", b""))
         data = codec.assemble(meta, chunks, max_bytes=expected)
         images = np.frombuffer(data, dtype=np.uint8).reshape(header["count"], *shape).copy()
         privacy = {k: float(header[k]) for k in ("epsilon", "delta", "noise_multiplier", "gan_seconds")}
@@ -98,12 +99,8 @@ class SdaflServer:
             return client_id in self.pool.uploads
 
     def await_uploads(self, registered: list[int], *, timeout_s: float, need: int) -> None:
-        stop_at = time.monotonic() + timeout_s
         with self._lock:
-            while len(self.pool.uploads) < len(registered) and time.monotonic() < stop_at:
-                self._lock.wait(timeout=0.5)
-            if len(self.pool.uploads) < need:
-                raise QuorumError(f"only {len(self.pool.uploads)} of {len(registered)} clients uploaded synthetic samples within {timeout_s:.0f}s")
+            await_uploads(self._lock, lambda: self.pool.uploads, registered, timeout_s=timeout_s, need=need, what="synthetic samples")
 
     # ---- per round -------------------------------------------------------------------------------
 

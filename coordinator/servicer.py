@@ -50,7 +50,8 @@ def _receive_update(meta: codec.PayloadMeta, inline: bytes, chunks: Iterator[tup
 
 
 def _payload_fields(header: Any) -> dict[str, Any]:
-    return {"total_bytes": header.payload.total_bytes, "sha256": header.payload.sha256, "num_chunks": header.payload.num_chunks}
+    return {"total_bytes": header.payload.total_bytes, "sha256": header.payload.sha256, "num_chunks": header.payload.num_chunks,
+            "xxh3_128": header.payload.xxh3_128}
 
 
 def _task_messages(item: TaskDelivery) -> Iterator[pb.ServerMessage | bytes]:

@@ -114,15 +114,20 @@ def passthrough(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
     return serialize_unless_bytes
 
 
-def submit_update_call(channel: grpc.Channel) -> grpc.StreamUnaryMultiCallable:
-    """Coordinator.SubmitUpdate taking UpdateChunk messages or chunk messages already serialized by `chunk_message`."""
+def upload_call(channel: grpc.Channel, method: str) -> grpc.StreamUnaryMultiCallable:
+    """A client-streaming Coordinator method ("SubmitUpdate", "UploadSynthetic", "UploadMeanData") taking its header
+    message and chunk messages already serialized by `chunk_message`."""
     from fedsynth.v1 import coordinator_pb2 as pb
 
-    return channel.stream_unary(
-        "/fedsynth.v1.Coordinator/SubmitUpdate",
-        request_serializer=passthrough(pb.UpdateChunk.SerializeToString),
-        response_deserializer=pb.SubmitReply.FromString,
-    )
+    request, reply = {"SubmitUpdate": (pb.UpdateChunk, pb.SubmitReply), "UploadSynthetic": (pb.SyntheticChunk, pb.UploadReply),
+                      "UploadMeanData": (pb.MeanDataChunk, pb.UploadReply)}[method]
+    return channel.stream_unary(f"/fedsynth.v1.Coordinator/{method}", request_serializer=passthrough(request.SerializeToString),
+                                response_deserializer=reply.FromString)
+
+
+def submit_update_call(channel: grpc.Channel) -> grpc.StreamUnaryMultiCallable:
+    """Coordinator.SubmitUpdate taking UpdateChunk messages or chunk messages already serialized by `chunk_message`."""
+    return upload_call(channel, "SubmitUpdate")
 
 
 def subscribe_call(channel: grpc.Channel) -> grpc.UnaryStreamMultiCallable:

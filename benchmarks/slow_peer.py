@@ -143,8 +143,9 @@ def main() -> None:
         results = {"untouched": run(folder, args, attacked=False), "attacked": run(folder, args, attacked=True)}
     ratio = results["attacked"]["median_s"] / results["untouched"]["median_s"]
     ports = "gRPC, data plane and /metrics" if args.plane == "tcp" else "gRPC and /metrics"
+    during = f"for {args.attack_s:.0f} s" if args.attack_s else "all run"
     print(f"ResNet-18, {args.clients} clients, runtime.data_plane = {args.plane}, {args.rounds} rounds; {args.attackers} trickling "
-          f"connections on each of {ports} ({f"for {args.attack_s:.0f} s" if args.attack_s else "all run"}); {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
+          f"connections on each of {ports} ({during}); {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
           f"{time.monotonic() - started:.0f} s in all\n")
     print("| run | round time, median (s) | slowest round (s) | connections cut off | final accuracy |")
     print("|---|---:|---:|---|---:|")

@@ -1,8 +1,7 @@
 """Where the default (gRPC) round trip's time goes: cProfile of both ends of benchmarks/transport.py's path.
 
-A real coordinator (ResNet-18, one client, no transport setting) runs in a child process whose SubmitUpdate handler
-and per-round payload preparation are profiled; this process is the client (transport.grpc_round_trips), profiled
-as a whole. Prints the top functions of each by own time, and the client's time inside gRPC's stream iteration.
+A real coordinator (ResNet-18, one client, no transport setting) runs in a child process with every thread profiled
+(each its own cProfile, merged); this process is the client (transport.grpc_round_trips), profiled as a whole. Prints the top functions of each by own time, and the client's time inside gRPC's stream iteration.
 
     python benchmarks/transport_profile.py --rounds 7 [--top 12]
 """
@@ -16,6 +15,7 @@ import json
 import pstats
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from deploy.processes import ProcessGroup, wait_for_file
@@ -24,29 +24,27 @@ from transport import grpc_round_trips
 
 
 def coordinator(stats_path: Path, argv: list[str]) -> int:
-    """The coordinator's main, its upload handler and payload preparation profiled; the stats written at exit."""
-    from coordinator.round_driver import RoundDriver
-    from coordinator.servicer import CoordinatorServicer
+    """The coordinator's main with every thread profiled (gRPC handlers, round loop, evaluation), the stats of all
+    threads merged and written as it exits."""
     from fedsynth.cli import main
     from fedsynth.process import lifetime
 
-    profile = cProfile.Profile()
+    profiles: list[cProfile.Profile] = []
+    lock = threading.Lock()
 
-    def profiled(method):  # type: ignore[no-untyped-def]
-        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
-            profile.enable()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                profile.disable()
-        return run
+    def begin(*_event: object) -> None:  # a new thread's first event: give it a profiler of its own
+        profile = cProfile.Profile()
+        with lock:
+            profiles.append(profile)
+        profile.enable()
 
-    CoordinatorServicer.SubmitUpdate = profiled(CoordinatorServicer.SubmitUpdate)  # type: ignore[method-assign]
-    RoundDriver._task_payload = profiled(RoundDriver._task_payload)  # type: ignore[method-assign]
+    threading.setprofile(begin)
+    begin()
     exit_now = lifetime.exit_now
 
     def dump_and_exit(code: int):  # type: ignore[no-untyped-def]
-        profile.dump_stats(stats_path)
+        with lock:  # calls still running in other threads are left out
+            pstats.Stats(*profiles).dump_stats(stats_path)
         exit_now(code)
 
     lifetime.exit_now = dump_and_exit  # type: ignore[assignment]
@@ -94,7 +92,7 @@ def main() -> None:
         print(f"{args.rounds} round trips of {rounds[0]['bytes'] / 1e6:.1f} MB, {total:.3f} s in all on the client's clock\n")
         print("## client (this process), by own time\n")
         print(summary(pstats.Stats(client), args.top))
-        print("\n## coordinator: SubmitUpdate and the per-round payload preparation, by own time\n")
+        print("\n## coordinator, all threads, by own time\n")
         print(summary(pstats.Stats(str(stats_path)), args.top))
 
 

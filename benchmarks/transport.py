@@ -254,7 +254,7 @@ def main() -> None:
           f"({bare_down:.3f} down, {bare_up:.3f} up; raw ÷ bare {raw / bare:.2f}).")
     print(f"\nraw TCP round trip (same bytes to an echo process and back, one receive buffer): {raw:.3f} s ({rate(raw, 2)} MB/s); "
           f"with a fresh buffer per message (the baseline before 2026-12-04): {raw_fresh:.3f} s. The coordinator's in-place "
-          f"receive + SHA-256 + views + validation + aggregation of one update, timed in-process: {processing:.3f} s.")
+          f"receive + XXH3-128 + views + validation + aggregation of one update, timed in-process: {processing:.3f} s.")
     if args.json is not None:
         best = min(totals, key=totals.__getitem__)
         default = totals.get("default", totals.get("grpc"))  # "grpc" is what the default means

@@ -21,6 +21,7 @@ from client_node.heartbeats import send_heartbeats
 from client_node.metrics import ClientMetrics
 from client_node.sdafl_client import ensure_samples, report_failure, upload
 from client_node.synthesis import SyntheticSet, fedeas_total, synthesize
+from client_node.uploads import payload_message, stream_upload
 from fedsynth.wire import codec, data_plane, grpcutil, wire_dtype
 from fedsynth.assembly import (
     algorithm_for,
@@ -36,14 +37,14 @@ from fedsynth.errors import ConfigError, DataError, FedsynthError, StopRequested
 from fedsynth.learning.data import ArrayDataset
 from fedsynth.learning.label_schema import schema_of
 from fedsynth.learning.local_data import load_client_data
-from fedsynth.wire.raw_messages import submit_update_call
+from fedsynth.wire.raw_messages import submit_update_call, subscribe_call, upload_call
 from fedsynth.wire.server_check import ServerUnreachable, check_servers, refused
 from fedsynth.wire.tls import PeerIdentity, RevocationList, TLSFiles
 from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_OK
-from fedsynth.wire.tensor_buffer import decode_views, encode_parts, encode_to_buffer
+from fedsynth.wire.tensor_buffer import decode_views, encode_parts
 from fedsynth.learning.evaluation import count_predictions
 from fedsynth.learning.training import TrainData, images_to_tensor
-from fedsynth.wire.transfer import chunk_messages, describe_buffer, receive_inline, receive_into
+from fedsynth.wire.transfer import receive_inline, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -119,6 +120,9 @@ class LogicalClient:
         channel = grpcutil.make_channel(self.options.coordinator, self.options.credentials)
         stub = pb_grpc.CoordinatorStub(channel)
         self._submit_update = submit_update_call(channel)  # sends chunk messages serialized by hand, as they are
+        self._subscribe = subscribe_call(channel)  # chunk messages parsed by hand: views of the received bytes
+        self._upload_synthetic = upload_call(channel, "UploadSynthetic")
+        self._upload_mean_data = upload_call(channel, "UploadMeanData")
         lost_since: float | None = None
         try:
             while not self.stop.is_set():
@@ -192,16 +196,17 @@ class LogicalClient:
             except FedsynthError as failure:
                 report_failure(stub, self.client_id, reply.session, failure, timeout_s=RPC_TIMEOUT_S)
                 raise
-            upload(stub, self.client_id, reply.session, images, privacy, timeout_s=RPC_TIMEOUT_S * 4)
+            upload(self._upload_synthetic, self.client_id, reply.session, images, privacy, timeout_s=RPC_TIMEOUT_S * 4)
         if reply.mean_data_wanted:
             mean_batch = int(getattr(self.algorithm, "mean_batch"))
             means_x, means_y = mean_data(self.state.real_x, self.state.real_y, num_classes=self.num_classes, mean_batch=mean_batch,
                                          seed=client_seed(cfg, self.client_id, "fedmix-means") % (2**32))
-            upload_mean_data(stub, self.client_id, reply.session, means_x, means_y, mean_batch=mean_batch, timeout_s=RPC_TIMEOUT_S * 4)
+            upload_mean_data(self._upload_mean_data, self.client_id, reply.session, means_x, means_y, mean_batch=mean_batch,
+                             timeout_s=RPC_TIMEOUT_S * 4)
         self._data_plane = None if not reply.data_port else data_plane.Endpoint(
             self.options.coordinator.rpartition(":")[0].strip("[]"), reply.data_port, self.options.data_plane_tls)
         log.info("client %d: registered (N_k=%d, %d rounds done)", self.client_id, len(self.state.real_y), reply.completed_rounds)
-        stream = stub.Subscribe(pb.SubscribeRequest(client_id=self.client_id, session=reply.session), timeout=SUBSCRIBE_TIMEOUT_S)
+        stream = self._subscribe(pb.SubscribeRequest(client_id=self.client_id, session=reply.session), timeout=SUBSCRIBE_TIMEOUT_S)
         self._stream = stream
         beating = threading.Event()
         heartbeats = threading.Thread(target=send_heartbeats, name=f"heartbeat-{self.client_id}", daemon=True,
@@ -274,7 +279,7 @@ class LogicalClient:
     # ---- one task ------------------------------------------------------------------------------
 
     def _receive_payload(self, task: pb.Task, stream: Iterator[pb.ServerMessage]) -> dict[str, dict[str, torch.Tensor]]:
-        def chunks() -> Iterator[tuple[int, bytes]]:
+        def chunks() -> Iterator[tuple[int, bytes | memoryview]]:
             received = 0
             while received < task.payload.num_chunks:
                 message = next(stream)
@@ -285,7 +290,7 @@ class LogicalClient:
                 received += 1
                 yield message.chunk.seq, message.chunk.data
 
-        meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
+        meta = codec.meta_of(task.payload)
         if task.data_ticket:
             buffer = data_plane.fetch(self._endpoint(), task.data_ticket, timeout_s=max(RPC_TIMEOUT_S, task.deadline_s))
         elif task.inline_payload:
@@ -341,43 +346,27 @@ class LogicalClient:
         model_group, extra_group = wire_dtype.outgoing(update.state, update.extra, global_state, cfg.runtime.wire_dtype)
         outgoing = codec.join_prefixed(model=model_group, extra=extra_group)
         del model_group, extra_group
-        if task.data_ticket:  # sent from the tensors' own memory, checksummed as it goes: no encoded copy, no SHA-256
-            parts = encode_parts(outgoing)
-            meta = codec.PayloadMeta(sum(part.nbytes for part in parts), "", 0)
-        else:
-            payload = encode_to_buffer(outgoing)
-            meta = describe_buffer(payload)
-            if meta.num_chunks == 1:  # it fits one chunk: it travels in the header, one message
-                meta = codec.PayloadMeta(meta.total_bytes, meta.sha256, 0)
-        del outgoing  # the parts (or the payload) hold what they need
-        header = pb.UpdateHeader(
-            client_id=self.client_id,
-            session=session,
-            round=task.round,
-            task_id=task.task_id,
-            payload=pb.Payload(total_bytes=meta.total_bytes, sha256=meta.sha256, num_chunks=meta.num_chunks),
-            train_seconds=train_seconds,
-            train_loss=update.train_loss,
-            num_steps=update.num_steps,
-            train_samples=len(self.state.data),
-            generation=generation_report,
-            inline_payload=b"" if task.data_ticket or meta.num_chunks else bytes(payload.numpy()),
-        )
+        parts = encode_parts(outgoing)  # sent from the tensors' own memory: no encoded copy
+        del outgoing  # the parts hold what they need
+        total = sum(part.nbytes for part in parts)
 
-        def messages() -> Iterator[pb.UpdateChunk | bytes]:
-            yield pb.UpdateChunk(header=header)
-            if not header.inline_payload:
-                yield from chunk_messages(payload)
+        def header(meta: codec.PayloadMeta, inline: bytes) -> pb.UpdateChunk:
+            return pb.UpdateChunk(header=pb.UpdateHeader(
+                client_id=self.client_id, session=session, round=task.round, task_id=task.task_id, payload=payload_message(meta),
+                train_seconds=train_seconds, train_loss=update.train_loss, num_steps=update.num_steps,
+                train_samples=len(self.state.data), generation=generation_report,
+                inline_payload=inline,
+            ))
 
-        def submit() -> object:
-            timeout_s = max(RPC_TIMEOUT_S, task.deadline_s)
-            if task.data_ticket:
-                return data_plane.submit(self._endpoint(), task.data_ticket, header.SerializeToString(), parts, timeout_s=timeout_s)
-            return self._submit_update(messages(), timeout=timeout_s)
-
-        log.info("client %d: uploading round %d (%d bytes)", self.client_id, task.round, meta.total_bytes)
+        timeout_s = max(RPC_TIMEOUT_S, task.deadline_s)
+        log.info("client %d: uploading round %d (%d bytes)", self.client_id, task.round, total)
         try:
-            grpcutil.call_with_retry(submit, deadline_s=max(RPC_TIMEOUT_S, task.deadline_s), what=f"client {self.client_id} submit")
+            if task.data_ticket:  # checksummed as it goes, over the data plane
+                opening = header(codec.PayloadMeta(total, "", 0), b"").header.SerializeToString()
+                grpcutil.call_with_retry(lambda: data_plane.submit(self._endpoint(), task.data_ticket, opening, parts, timeout_s=timeout_s),
+                                         deadline_s=timeout_s, what=f"client {self.client_id} submit")
+            else:
+                stream_upload(self._submit_update, header, parts, timeout_s=timeout_s, what=f"client {self.client_id} submit", inline=True)
         except grpc.RpcError as exc:
             # Refused for the state of the run (its round closed, its norm past runtime.max_update_norm): the dispatch
             # stream is still good, and the next task (or the run's end) comes on it
@@ -385,7 +374,7 @@ class LogicalClient:
                 raise
             log.warning("client %d: round %d: the coordinator refused the update: %s", self.client_id, task.round, exc.details())
             return
-        self.metrics.bytes_sent.inc(meta.total_bytes)
+        self.metrics.bytes_sent.inc(total)
         self.metrics.rounds.inc()
         log.info("client %d: round %d done (%.1fs training, loss %.4f)", self.client_id, task.round, train_seconds, update.train_loss)
 

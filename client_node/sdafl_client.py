@@ -10,20 +10,20 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 
-from fedsynth.wire import codec, grpcutil
+from client_node.uploads import payload_message, stream_upload
+from fedsynth.wire import codec
 from fedsynth.process import lifetime
 from fedsynth.assembly import client_seed
 from fedsynth.config import RunConfig
 from fedsynth.errors import FedsynthError, StopRequested
 from fedsynth.v1 import coordinator_pb2 as pb
-from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 POLL_S = 0.1  # how soon a stop request reaches a DP-GAN in training
@@ -142,21 +142,19 @@ def report_failure(stub: pb_grpc.CoordinatorStub, client_id: int, session: str, 
                     exc.details() if isinstance(exc, grpc.Call) else exc)
 
 
-def upload(stub: pb_grpc.CoordinatorStub, client_id: int, session: str, images: np.ndarray, privacy: dict[str, Any], *, timeout_s: float) -> int:
-    data = np.ascontiguousarray(images, dtype=np.uint8).tobytes()
-    meta = codec.describe(data)
+def upload(call: grpc.StreamUnaryMultiCallable, client_id: int, session: str, images: np.ndarray, privacy: dict[str, Any], *,
+           timeout_s: float) -> int:
+    """Upload the samples once over Coordinator.UploadSynthetic (`raw_messages.upload_call`), as raw uint8."""
+    data = np.ascontiguousarray(images, dtype=np.uint8)
     n, h, w, c = images.shape
-    header = pb.SyntheticHeader(
-        client_id=client_id, session=session, count=n, height=h, width=w, channels=c, dtype="uint8",
-        payload=pb.Payload(total_bytes=meta.total_bytes, sha256=meta.sha256, num_chunks=meta.num_chunks),
-        epsilon=privacy["epsilon"], delta=privacy["delta"], noise_multiplier=privacy["noise_multiplier"], gan_seconds=privacy["gan_seconds"],
-    )
 
-    def messages() -> Iterator[pb.SyntheticChunk]:
-        yield pb.SyntheticChunk(header=header)
-        for seq, piece in codec.split(data):
-            yield pb.SyntheticChunk(chunk=pb.Chunk(seq=seq, data=piece))
+    def header(meta: codec.PayloadMeta, _inline: bytes) -> pb.SyntheticChunk:
+        return pb.SyntheticChunk(header=pb.SyntheticHeader(
+            client_id=client_id, session=session, count=n, height=h, width=w, channels=c, dtype="uint8", payload=payload_message(meta),
+            epsilon=privacy["epsilon"], delta=privacy["delta"], noise_multiplier=privacy["noise_multiplier"],
+            gan_seconds=privacy["gan_seconds"],
+        ))
 
-    reply = grpcutil.call_with_retry(lambda: stub.UploadSynthetic(messages(), timeout=timeout_s), deadline_s=timeout_s, what=f"client {client_id} upload")
+    reply = stream_upload(call, header, [memoryview(data.reshape(-1))], timeout_s=timeout_s, what=f"client {client_id} upload")
     log.info("client %d: uploaded %d synthetic samples (%s)", client_id, reply.stored, privacy.get("statement", ""))
     return int(reply.stored)

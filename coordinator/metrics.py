@@ -39,6 +39,11 @@ class CoordinatorMetrics:
             "fedsynth_coordinator_rejected_registrations_total", "Registrations refused, by reason (max_samples_per_client)",
             ["reason"], **kw
         )
+        self.data_plane_closed = Counter(
+            "fedsynth_coordinator_data_plane_closed_connections_total",
+            "Data-plane connections closed before their request was whole: 'deadline' (no TLS handshake and request header "
+            "within a second), 'over_cap' (too many from one address at once)", ["reason"], **kw
+        )
         self.clients_registered = Gauge("fedsynth_coordinator_clients_registered", "Clients registered", **kw)
         self.clients_connected = Gauge("fedsynth_coordinator_clients_connected", "Clients with an open dispatch stream", **kw)
         self.clients_dropped = Counter(

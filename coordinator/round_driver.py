@@ -36,7 +36,7 @@ from fedsynth.allocation import assigned_quota
 from fedsynth.config import RunConfig
 from fedsynth.errors import QuorumError
 from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_INTERNAL, EXIT_OK
-from fedsynth.wire.tensor_buffer import encode_to_buffer
+from fedsynth.wire.tensor_buffer import encode_parts, encode_to_buffer
 from fedsynth.learning.training import TrainData, evaluate
 from fedsynth.wire.transfer import PreparedPayload, prepare
 
@@ -115,22 +115,11 @@ class RoundDriver:
                 loss, acc = evaluate(self.state.model, self.test_data, self.cfg.train.eval_batch_size)
                 self.state.initial = {"accuracy": acc, "loss": loss}
             self._await_registrations()
+            runtime = self.cfg.runtime
             if self.sdafl is not None:
-                with self.lock:
-                    registered = sorted(self.registry.clients)
-                self.sdafl.await_uploads(
-                    registered,
-                    timeout_s=self.cfg.runtime.registration_timeout_s + self.cfg.runtime.round_timeout_s,
-                    need=quorum_size(self.cfg.data.clients, self.cfg.runtime.quorum),
-                )
+                self._await_uploads(self.sdafl, timeout_s=runtime.registration_timeout_s + runtime.round_timeout_s)
             if self.mean_pool is not None and not self.mean_pool.closed:
-                with self.lock:
-                    registered = sorted(self.registry.clients)
-                self.mean_pool.await_uploads(
-                    registered,
-                    timeout_s=self.cfg.runtime.registration_timeout_s,
-                    need=quorum_size(self.cfg.data.clients, self.cfg.runtime.quorum),
-                )
+                self._await_uploads(self.mean_pool, timeout_s=runtime.registration_timeout_s)
                 self.mean_pool.save(self.out_dir)
             for number in range(self.state.completed + 1, self.cfg.train.rounds + 1):
                 self._play_round(number)
@@ -154,6 +143,12 @@ class RoundDriver:
         log.info("run finished: %s", finished.reason)
 
     # ---- before round 1 ------------------------------------------------------------------------
+
+    def _await_uploads(self, pool: SdaflServer | MeanDataPool, *, timeout_s: float) -> None:
+        """Every registered client's one-off upload (a quorum at least), before round 1."""
+        with self.lock:
+            registered = sorted(self.registry.clients)
+        pool.await_uploads(registered, timeout_s=timeout_s, need=quorum_size(self.cfg.data.clients, self.cfg.runtime.quorum))
 
     def _await_registrations(self) -> None:
         """A fresh run waits for all K clients (up to registration_timeout_s). A resumed run goes on once a quorum
@@ -211,11 +206,12 @@ class RoundDriver:
             groups["synthetic"] = self.sdafl.task_groups(with_images=with_images)
         if self.mean_pool is not None:
             groups["mean"] = self.mean_pool.task_group(with_data=with_images)
-        buffer = encode_to_buffer(codec.join_prefixed(**groups))
+        tensors = codec.join_prefixed(**groups)
+        parts = encode_parts(tensors)  # the tensors' own memory: framed straight into chunk messages, no encoded copy
         runtime = self.cfg.runtime
-        if runtime.data_plane == "tcp" and buffer.numel() >= runtime.data_plane_min_bytes:
-            return data_plane.prepare(buffer)
-        return prepare(buffer)
+        if runtime.data_plane == "tcp" and sum(part.nbytes for part in parts) >= runtime.data_plane_min_bytes:
+            return data_plane.prepare(encode_to_buffer(tensors))  # kept for the round: a copy the model may not change
+        return prepare(parts)
 
     def _play_round(self, number: int) -> None:
         state = self.state

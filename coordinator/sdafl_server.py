@@ -13,11 +13,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from coordinator.shared_uploads import await_uploads
 from coordinator.synthetic_pool import UNLABELLED, SyntheticPool, mixup_finetune
 from fedsynth.wire import codec
 from fedsynth.config import RunConfig
 from fedsynth.learning.data import ArrayDataset, load_dataset
-from fedsynth.errors import QuorumError, StateError, WireError
+from fedsynth.errors import StateError, WireError
 
 log = logging.getLogger(__name__)
 REFERENCE_MAX_SAMPLES = 10_000
@@ -84,7 +85,7 @@ class SdaflServer:
         expected = header["count"] * int(np.prod(shape))
         if header["total_bytes"] != expected:
             raise WireError(f"synthetic upload announces {header['total_bytes']} bytes; {header['count']} images of {shape} are {expected}")
-        meta = codec.PayloadMeta(header["total_bytes"], header["sha256"], header["num_chunks"])
+        meta = codec.PayloadMeta(header["total_bytes"], header["sha256"], header["num_chunks"], header.get("xxh3_128", b""))
         data = codec.assemble(meta, chunks, max_bytes=expected)
         images = np.frombuffer(data, dtype=np.uint8).reshape(header["count"], *shape).copy()
         privacy = {k: float(header[k]) for k in ("epsilon", "delta", "noise_multiplier", "gan_seconds")}
@@ -113,17 +114,9 @@ class SdaflServer:
     def await_uploads(self, registered: list[int], *, timeout_s: float, need: int) -> None:
         """Until every registered client uploaded or reported its DP-GAN failed (at most timeout_s); QuorumError,
         naming the failures, when fewer than `need` uploaded."""
-        stop_at = time.monotonic() + timeout_s
         with self._lock:
-            while not set(registered) <= set(self.pool.uploads) | set(self.failed) and time.monotonic() < stop_at:
-                self._lock.wait(timeout=0.5)
-            failures = "; ".join(f"client {c}: {why}" for c, why in sorted(self.failed.items()))
-            if len(self.pool.uploads) < need:
-                within = f"within {timeout_s:.0f}s" if not failures else f"(quorum {need}; {failures})"
-                raise QuorumError(f"only {len(self.pool.uploads)} of {len(registered)} clients uploaded synthetic samples {within}")
-            if failures:
-                log.warning("going on with the synthetic samples of %d of %d clients (quorum %d); %s",
-                            len(self.pool.uploads), len(registered), need, failures)
+            await_uploads(self._lock, lambda: self.pool.uploads, registered, timeout_s=timeout_s, need=need,
+                          what="synthetic samples", failed=lambda: self.failed)
 
     # ---- per round -------------------------------------------------------------------------------
 

@@ -53,11 +53,13 @@ def _receive_update(meta: codec.PayloadMeta, inline: bytes, chunks: Iterator[tup
 
 
 def _payload_fields(header: Any) -> dict[str, Any]:
-    return {"total_bytes": header.payload.total_bytes, "sha256": header.payload.sha256, "num_chunks": header.payload.num_chunks}
+    return {"total_bytes": header.payload.total_bytes, "sha256": header.payload.sha256, "num_chunks": header.payload.num_chunks,
+            "xxh3_128": header.payload.xxh3_128}
 
 
 def _task_messages(item: TaskDelivery) -> Iterator[pb.ServerMessage | bytes]:
-    meta = pb.Payload(total_bytes=item.meta.total_bytes, sha256=item.meta.sha256, num_chunks=item.meta.num_chunks)
+    meta = pb.Payload(total_bytes=item.meta.total_bytes, sha256=item.meta.sha256, num_chunks=item.meta.num_chunks,
+                      xxh3_128=item.meta.xxh3_128)
     task = pb.Task(round=item.round, task_id=item.task_id, deadline_s=item.deadline_s, generation_quota=item.quota, payload=meta,
                    data_ticket=item.ticket, evaluate=item.evaluate)
     yield task_message(task.SerializeToString(), item.payload.inline)
@@ -136,7 +138,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             h = _first_header(request_iterator, "an update stream must start with an UpdateHeader")
             header = header_fields(h)
             large = header["total_bytes"] >= SLOTTED_UPLOAD_BYTES
-            meta = codec.PayloadMeta(header["total_bytes"], header["sha256"], header["num_chunks"])
+            meta = codec.PayloadMeta(header["total_bytes"], header["sha256"], header["num_chunks"], header["xxh3_128"])
             chunks = self._chunks(request_iterator)
             self.federation.accept_update(
                 header, lambda max_bytes: _receive_update(meta, h.inline_payload, chunks, max_bytes),

@@ -133,7 +133,7 @@ def test_bad_uploads_are_refused_and_never_enter_the_synthetic_set(runtime: Runt
         stream = stub.Subscribe(pb.SubscribeRequest(client_id=1, session=reply.session), timeout=300)
         task = next(m for m in stream if m.WhichOneof("kind") == "task").task
         chunks = ((m.chunk.seq, m.chunk.data) for m in stream if m.WhichOneof("kind") == "chunk")
-        meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
+        meta = codec.meta_of(task.payload)
         payload = bytes(receive_inline(meta, task.inline_payload).numpy()) if task.inline_payload else codec.assemble(
             meta, _take(chunks, task.payload.num_chunks))
         groups = codec.split_prefixed(codec.decode(payload))

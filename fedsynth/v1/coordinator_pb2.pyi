@@ -85,14 +85,16 @@ class HeartbeatReply(_message.Message):
     def __init__(self, connected: _Optional[bool] = ...) -> None: ...
 
 class Payload(_message.Message):
-    __slots__ = ("total_bytes", "sha256", "num_chunks")
+    __slots__ = ("total_bytes", "sha256", "num_chunks", "xxh3_128")
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    XXH3_128_FIELD_NUMBER: _ClassVar[int]
     total_bytes: int
     sha256: str
     num_chunks: int
-    def __init__(self, total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., num_chunks: _Optional[int] = ...) -> None: ...
+    xxh3_128: bytes
+    def __init__(self, total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., num_chunks: _Optional[int] = ..., xxh3_128: _Optional[bytes] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("seq", "data")

@@ -31,6 +31,7 @@ from coordinator.sdafl_server import SdaflServer
 from fedsynth.wire import codec, data_plane
 from fedsynth.algorithms.base import Algorithm, snapshot_state
 from fedsynth.allocation import assigned_quota
+from fedsynth.assembly import clients_per_round
 from fedsynth.config import RunConfig
 from fedsynth.errors import QuorumError
 from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_INTERNAL, EXIT_OK
@@ -105,7 +106,7 @@ class RoundDriver:
             if self.state.completed == 0 and not self.state.initial:
                 # here, not before the server binds: ResNet-18 on CIFAR's 10,000 test images takes minutes on a CPU,
                 # while the clients load their data and register
-                loss, acc = evaluate(self.state.model, self.test_data, self.cfg.train.eval_batch_size)
+                loss, acc = self._evaluate(self.state.model)
                 self.state.initial = {"accuracy": acc, "loss": loss}
             self._await_registrations()
             if self.sdafl is not None:
@@ -213,7 +214,7 @@ class RoundDriver:
     def _play_round(self, number: int) -> None:
         state = self.state
         k = self.cfg.data.clients
-        m = max(1, round(self.cfg.train.fraction * k))
+        m = clients_per_round(self.cfg)
         sampled = sorted(int(c) for c in state.rng.choice(k, size=m, replace=False))
         global_state = self._closed_state if self._closed_state is not None else snapshot_state(state.model)
         self._closed_state = None
@@ -292,7 +293,7 @@ class RoundDriver:
         rnd = closed.rnd
         started = time.monotonic()
         self._eval_model.load_state_dict(closed.saved.global_state, assign=True)  # shares the checkpoint's tensors
-        loss, acc = evaluate(self._eval_model, self.test_data, self.cfg.train.eval_batch_size)
+        loss, acc = self._evaluate(self._eval_model)
         phases = round_phases(rnd, closed.closed_at, time.monotonic() - started)
         summary = {
             "round": rnd.number,
@@ -307,6 +308,8 @@ class RoundDriver:
             "train_loss": _finite_mean([a["train_loss"] for a in rnd.answered.values()]),
             **closed.sdafl_summary,
         }
+        if self.cfg.train.algorithm == "ddpm":  # the federated generator: epsilon so far, and the updates' norms
+            summary["privacy"] = self.algorithm.privacy_report(rnd.number, *self.participation(history=[*self.state.history, summary]))  # type: ignore[attr-defined]
         # Only this thread appends to the history, so it may read it unlocked; the round enters the history (and
         # watchers hear of it) only once its checkpoint is on disk, both under the lock so no watcher sees it twice.
         history = [*self.state.history, summary]
@@ -320,6 +323,23 @@ class RoundDriver:
             self.progress.publish(summary)
         self.metrics.observe_round(summary)
         log.info("round %d: accuracy %.4f loss %.4f (%d/%d answered)", rnd.number, acc, loss, len(rnd.answered), len(rnd.sampled))
+
+    def _evaluate(self, model: torch.nn.Module) -> tuple[float, float]:
+        """(loss, accuracy) on the test set; an algorithm with an `evaluate` of its own (the generator's) decides."""
+        own = getattr(self.algorithm, "evaluate", None)
+        if own is not None:
+            return own(model, self.test_data, self.cfg.train.eval_batch_size)  # type: ignore[no-any-return]
+        return evaluate(model, self.test_data, self.cfg.train.eval_batch_size)
+
+    def participation(self, history: list[dict[str, Any]] | None = None) -> tuple[dict[int, int], dict[int, int]]:
+        """(rounds each client answered, each registered client's N_k): what per-client privacy accounting needs."""
+        answered: dict[int, int] = {}
+        for summary in self.state.history if history is None else history:
+            for client in summary["participants"]:
+                answered[client] = answered.get(client, 0) + 1
+        with self.lock:
+            sizes = {client: record.num_samples for client, record in self.registry.clients.items()}
+        return answered, sizes
 
     def _wait_for_answers(self, rnd: RoundInProgress) -> None:
         grace = self.cfg.runtime.rejoin_grace_s

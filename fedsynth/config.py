@@ -17,6 +17,7 @@ from fedsynth.config_schema import (
     ALGORITHMS,
     DATASETS,
     DATA_PLANES,
+    DP_LEVELS,
     GENERATOR_BACKENDS,
     GENERATOR_SIZES,
     MAX_EXPONENT,
@@ -237,6 +238,44 @@ class RuntimeConfig(Section):
 
 
 @dataclass(frozen=True)
+class FederateConfig(Section):
+    """The federated class-conditional DDPM (train.algorithm = "ddpm", `fedsynth generator federate`):
+    local training, the server-side EMA and differential privacy (docs/federated-generator.md)."""
+
+    SECTION: ClassVar[str] = "federate"
+    local_steps: int = 50  # optimizer steps per client per round
+    batch_size: int = 64  # images per step (dp = "sample": the expected size of a Poisson-sampled logical batch)
+    lr: float | None = None  # AdamW; None: the size's, as `generator train` (GENERATOR_TRAIN_LR)
+    label_dropout: float = 0.1  # the null label's rate, for classifier-free guidance
+    # The server's EMA of the global model, per round, warmed up as diffusers' EMAModel: min(decay, (1 + r) / (10 + r))
+    ema_decay: float = 0.99
+    dp: str = "none"  # none | user (DP-FedAvg: clip each client's update, noise on the sum) | sample (DP-SGD on each client)
+    clip: float = 1.0  # S: the L2 bound of a client's update (user) or of one image's gradient (sample)
+    noise_multiplier: float = 1.0  # sigma, used when target_epsilon is not set
+    target_epsilon: float | None = None  # picks sigma (Opacus get_noise_multiplier) for the whole run
+    delta: float = 1e-5
+    accountant: str = "rdp"  # Opacus's: rdp or prv
+    noise_multiplicity: int = 1  # dp = "sample": diffusion noise draws per image inside one per-sample gradient (DPDM)
+    max_physical_batch: int = 64  # dp = "sample": Opacus BatchMemoryManager's physical batch (images)
+    init: str | None = None  # a generator folder to start from (public data only: docs/federated-generator.md)
+    secure_noise: bool = False  # unpredictable DP noise (a CSPRNG seed); runs stop being reproducible
+
+    def check(self) -> None:
+        self.at_least(1, "local_steps", "batch_size", "noise_multiplicity", "max_physical_batch")
+        self.above(0, "lr", "clip", "target_epsilon")
+        self.within("label_dropout", 0, 1, high_open=True)
+        self.within("ema_decay", 0, 1, high_open=True)
+        self.one_of("dp", DP_LEVELS)
+        self.one_of("accountant", ACCOUNTANTS)
+        self.within("delta", 0, 1, low_open=True, high_open=True)
+        self.non_empty("init")
+        if self.dp != "none" and self.target_epsilon is None:
+            self.above(0, "noise_multiplier")
+        else:
+            self.at_least(0, "noise_multiplier")
+
+
+@dataclass(frozen=True)
 class RunConfig(Section):
     name: str = "default"
     seed: int = 0
@@ -246,10 +285,18 @@ class RunConfig(Section):
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     sdafl: SdaflConfig = field(default_factory=SdaflConfig)
+    federate: FederateConfig = field(default_factory=FederateConfig)
 
     def check(self) -> None:
         self.non_empty("name", "out_dir")
         self.within("seed", 0, MAX_SEED)
+        unet = self.train.model.startswith("unet-")
+        if (self.train.algorithm == "ddpm") != unet:
+            raise ConfigError(f"train.model={self.train.model!r} with train.algorithm={self.train.algorithm!r}: the unet-* "
+                              "models are trained by the \"ddpm\" algorithm, and it trains nothing else")
+        if unet and self.generation.policy != "none":
+            raise ConfigError(f"generation.policy must be \"none\" when training a generator (train.algorithm = \"ddpm\"), "
+                              f"got {self.generation.policy!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -264,6 +311,10 @@ class RunConfig(Section):
         if wire_dtype != "float32":  # rounding the updates changes results; at the default, old fingerprints hold
             content["wire_dtype"] = wire_dtype
         content["train"].pop("rounds")
+        if content["train"]["algorithm"] != "ddpm":  # the section came later and changes only a generator's training
+            content.pop("federate")
+        elif content["federate"]["dp"] != "none" and content["federate"]["target_epsilon"] is not None:
+            content["federate"]["rounds"] = self.train.rounds  # sigma follows from (target, rounds): no extending
         for key, default in LATER_GENERATION_KEYS.items():  # keys that came later: at their defaults, old fingerprints hold
             if content["generation"][key] == default:
                 content["generation"].pop(key)
@@ -279,6 +330,7 @@ SECTIONS = {
     "generation": GenerationConfig,
     "runtime": RuntimeConfig,
     "sdafl": SdaflConfig,
+    "federate": FederateConfig,
 }
 
 

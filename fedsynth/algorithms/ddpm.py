@@ -53,7 +53,7 @@ class FedDdpm:
         if s.dp == "sample":
             from fedsynth.algorithms.dp_sgd import train_dp_sgd  # Opacus's engine: only sample-level runs load it
 
-            return train_dp_sgd(self, model=model, data=data, should_stop=cfg.should_stop, generator=generator)
+            return train_dp_sgd(self, model=model, data=data, should_stop=cfg.should_stop, generator=generator, client_state=client_state)
         from fedsynth.learning.unet import denoising_loss, make_train_scheduler, noised_batch  # diffusers: generator runs only
 
         start = snapshot_state(model)

@@ -176,3 +176,53 @@ def test_from_a_fresh_process_a_wrong_setting_exits_1_without_a_traceback(tmp_pa
                              "--out", str(tmp_path / "gen")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert result.stderr.strip().count("\n") == 0 and "federate.delta" in result.stderr, result.stderr
+
+
+def test_noise_multiplicity_clips_the_mean_gradient_of_an_images_draws_not_each_draw() -> None:
+    """Every parameter's per-image gradient, as the DP-SGD client computes it, against plain autograd (Opacus's hooks
+    mode fails this: seven convolution weights get zeros)."""
+    from opacus import GradSampleModule
+
+    from fedsynth.algorithms.dp_sgd import GRAD_SAMPLE_MODE, group_draws
+    from fedsynth.learning.unet import build_unet, denoising_loss, make_train_scheduler, noised_batch
+
+    draws, images = 3, 2
+    unet = build_unet("tiny", num_classes=10, image_shape=(1, 8, 8), seed=0)
+    x0 = torch.rand(images, 1, 8, 8).repeat_interleave(draws, 0) * 2 - 1
+    noisy, t, labels, noise = noised_batch(make_train_scheduler(), x0, torch.tensor([3, 7]).repeat_interleave(draws, 0),
+                                           num_classes=10, label_dropout=0.0, generator=torch.Generator().manual_seed(0))
+    wrapped = GradSampleModule(unet, force_functorch=GRAD_SAMPLE_MODE == "functorch")  # as make_private wraps it
+    denoising_loss(wrapped, noisy, t, labels, noise).backward()
+    group_draws(unet, draws)
+    grouped = [p.grad_sample.clone() for p in unet.parameters()]  # type: ignore[attr-defined]
+    wrapped._close()  # no hooks in the reference passes
+    for image in range(images):  # the gradient of this image's loss averaged over its own draws, by plain autograd
+        rows = slice(image * draws, (image + 1) * draws)
+        unet.zero_grad()
+        reference = torch.autograd.grad(denoising_loss(unet, noisy[rows], t[rows], labels[rows], noise[rows]), list(unet.parameters()))
+        for rows_of_parameter, expected in zip(grouped, reference):
+            assert rows_of_parameter.shape[0] == images
+            assert torch.allclose(rows_of_parameter[image], expected, atol=1e-5, rtol=1e-4)
+
+
+def test_sample_dp_each_clients_epsilon_is_opacus_for_its_own_q_sigma_and_steps() -> None:
+    cfg, algorithm, start = _setup('federate.dp="sample"', "federate.target_epsilon=10", "train.rounds=3",
+                                   "federate.noise_multiplicity=2", "federate.max_physical_batch=8")
+    model = model_for(cfg, num_classes=10, in_channels=1, image_size=8)
+    model.load_state_dict(start)
+    shard = client_shard(cfg, 1)
+    data = TrainData(images_to_tensor(shard.x), torch.as_tensor(shard.y, dtype=torch.int64))
+    update = algorithm.client_update(model=model, data=data, cfg=local_train_config(cfg), server_extra={}, client_state={},
+                                     generator=round_generator(cfg, 1, 1))
+    assert update.num_steps == 2 and int(update.client_state["dp_steps"]) == 2
+    assert not any(hasattr(p, "grad_sample") for p in model.parameters())  # Opacus's hooks are gone after the round
+    report = algorithm.privacy_report(1, {1: 1}, {1: len(data)})
+    q = 8 / len(data)
+    sigma = get_noise_multiplier(target_epsilon=10.0, target_delta=1e-5, sample_rate=q, steps=3 * 2, accountant="rdp")
+    accountant = RDPAccountant()
+    for _ in range(2):
+        accountant.step(noise_multiplier=sigma, sample_rate=q)
+    client = report["per_client"]["1"]
+    assert client["noise_multiplier"] == sigma and client["sample_rate"] == q and client["steps"] == 2
+    assert client["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
+    assert report["epsilon"] == client["epsilon"]

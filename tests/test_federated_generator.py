@@ -226,3 +226,22 @@ def test_sample_dp_each_clients_epsilon_is_opacus_for_its_own_q_sigma_and_steps(
     assert client["noise_multiplier"] == sigma and client["sample_rate"] == q and client["steps"] == 2
     assert client["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
     assert report["epsilon"] == client["epsilon"]
+
+
+def test_init_loads_a_generator_folder_of_the_same_layout_and_names_the_key_otherwise(tmp_path: Path) -> None:
+    from fedsynth.errors import ConfigError
+    from fedsynth.learning.unet import load_initial_weights
+    from generator_service.ddpm.model import GeneratorMetadata, build_unet, make_train_scheduler, save_generator
+
+    for size in ("tiny", "small"):
+        save_generator(tmp_path / size, build_unet(size, num_classes=10, image_shape=(1, 8, 8), seed=7), make_train_scheduler(),
+                       GeneratorMetadata("digits", 10, (1, 8, 8), size, training_steps=0, guidance=1.0, ddim_steps=2))
+    cfg = _config(f'federate.init="{tmp_path / "tiny"}"')
+    model = model_for(cfg, num_classes=10, in_channels=1, image_size=8)
+    load_initial_weights(model, tmp_path / "tiny")
+    saved = build_unet("tiny", num_classes=10, image_shape=(1, 8, 8), seed=7).state_dict()
+    assert all(torch.equal(model.state_dict()[key], value) for key, value in saved.items())
+    with pytest.raises(ConfigError, match=r"^federate\.init=.*different UNet"):
+        load_initial_weights(model, tmp_path / "small")
+    with pytest.raises(ConfigError, match=r"^federate\.init=.*not a generator folder"):
+        load_initial_weights(model, tmp_path / "absent")

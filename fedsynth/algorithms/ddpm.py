@@ -119,7 +119,8 @@ class FedDdpm:
                                     steps=self.rounds * s.local_steps, accountant=s.accountant)
 
     def client_sample_rate(self, num_samples: int) -> float:
-        return min(1.0, self.settings.batch_size / num_samples)
+        """q_k of dp sample: Opacus's DPDataLoader samples each image at 1 / (batches in an epoch)."""
+        return 1.0 / math.ceil(num_samples / self.settings.batch_size)
 
     def check_privacy(self, shard_sizes: list[int]) -> None:
         """Raise ConfigError (naming federate.target_epsilon) when the target cannot be reached: before any process."""

@@ -62,7 +62,7 @@ def _train(algorithm: FedDdpm, *, model: nn.Module, data: TrainData, should_stop
     num_classes = int(model.config.num_class_embeds) - 1  # type: ignore[union-attr, operator]
     sigma = algorithm.sample_noise_multiplier(len(data))
     rate = algorithm.client_sample_rate(len(data))
-    loader = DataLoader(TensorDataset(data.x, data.y), batch_size=max(1, round(rate * len(data))),
+    loader = DataLoader(TensorDataset(data.x, data.y), batch_size=s.batch_size,  # Poisson at 1 / len(loader) = rate
                         generator=torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=generator))))
     optimizer = torch.optim.AdamW(model.parameters(), lr=algorithm.lr, weight_decay=0.0)
     engine = PrivacyEngine(secure_mode=s.secure_noise)

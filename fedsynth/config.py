@@ -259,8 +259,10 @@ class FederateConfig(Section):
     max_physical_batch: int = 64  # dp = "sample": Opacus BatchMemoryManager's physical batch (images)
     init: str | None = None  # a generator folder to start from (public data only: docs/federated-generator.md)
     secure_noise: bool = False  # unpredictable DP noise (a CSPRNG seed); runs stop being reproducible
+    device: str = "cpu"  # where clients train the UNet: cpu, cuda, or auto (cuda when the client node has one)
 
     def check(self) -> None:
+        self.one_of("device", ("cpu", "cuda", "auto"))
         self.at_least(1, "local_steps", "batch_size", "noise_multiplicity", "max_physical_batch")
         self.above(0, "lr", "clip", "target_epsilon")
         self.within("label_dropout", 0, 1, high_open=True)

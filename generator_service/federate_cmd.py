@@ -70,6 +70,8 @@ def run_overrides(args: argparse.Namespace) -> list[str]:
 def check_before_start(cfg: RunConfig) -> None:
     """Everything that can be refused in seconds, before any process starts: the split, sigma for the target epsilon
     (an unreachable target names federate.target_epsilon), the warm-start folder."""
+    if cfg.federate.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("federate.device=\"cuda\" but torch sees no CUDA device here (\"auto\" uses one when present)")
     check_partition(cfg)
     algorithm = algorithm_for(cfg)
     sizes = [len(client_shard(cfg, k).y) for k in range(cfg.data.clients)] if cfg.federate.dp == "sample" else []

@@ -120,6 +120,7 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "federate.max_physical_batch": ("int", [0]),
     "federate.init": ("str?", [""]),
     "federate.secure_noise": ("bool", []),
+    "federate.device": ("str", ["gpu", "CUDA", ""]),
 }
 
 

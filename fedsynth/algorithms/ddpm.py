@@ -54,10 +54,25 @@ class FedDdpm:
             from fedsynth.algorithms.dp_sgd import train_dp_sgd  # Opacus's engine: only sample-level runs load it
 
             return train_dp_sgd(self, model=model, data=data, should_stop=cfg.should_stop, generator=generator, client_state=client_state)
-        from fedsynth.learning.unet import denoising_loss, make_train_scheduler, noised_batch  # diffusers: generator runs only
-
         start = snapshot_state(model)
         num_classes = int(model.config.num_class_embeds) - 1  # type: ignore[union-attr, operator]
+        device = self.device()
+        model.to(device)
+        try:
+            loss_sum = self._local_steps(model, data, cfg, generator, num_classes, device)
+        finally:
+            model.to("cpu")  # the node keeps (and checks) its model on the CPU between rounds
+        state = snapshot_state(model)
+        if s.dp == "user":  # clipped here AND on the coordinator: an honest client's update arrives as it will count
+            clipped, _ = clip_update(_difference(state, start), s.clip)
+            state = {key: start[key] + value if value.is_floating_point() else value for key, value in clipped.items()}
+        return ClientUpdate(state=state, num_steps=s.local_steps, train_loss=loss_sum / s.local_steps)
+
+    def _local_steps(self, model: nn.Module, data: TrainData, cfg: LocalTrainConfig, generator: torch.Generator,
+                     num_classes: int, device: torch.device) -> float:
+        from fedsynth.learning.unet import denoising_loss, make_train_scheduler, noised_batch
+
+        s = self.settings
         scheduler = make_train_scheduler()
         optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=0.0)
         model.train()
@@ -66,7 +81,7 @@ class FedDdpm:
             if cfg.should_stop is not None and cfg.should_stop():
                 raise StopRequested(f"local training stopped after {step} optimizer steps")
             index = torch.randint(len(data), (s.batch_size,), generator=generator)
-            x0 = self.augment(data.x[index], generator)
+            x0 = self.augment(data.x[index].to(device), generator)
             noisy, t, labels, noise = noised_batch(scheduler, x0, data.y[index], num_classes=num_classes,
                                                    label_dropout=s.label_dropout, generator=generator)
             loss = denoising_loss(model, noisy, t, labels, noise)
@@ -75,16 +90,20 @@ class FedDdpm:
             torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
             optimizer.step()
             loss_sum += loss.item()
-        state = snapshot_state(model)
-        if s.dp == "user":  # clipped here AND on the coordinator: an honest client's update arrives as it will count
-            clipped, _ = clip_update(_difference(state, start), s.clip)
-            state = {key: start[key] + value if value.is_floating_point() else value for key, value in clipped.items()}
-        return ClientUpdate(state=state, num_steps=s.local_steps, train_loss=loss_sum / s.local_steps)
+        return loss_sum
 
     def augment(self, x0: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         if not self.flip:
             return x0
-        return torch.where(torch.rand(len(x0), 1, 1, 1, generator=generator) < 0.5, x0.flip(3), x0)
+        flip = (torch.rand(len(x0), 1, 1, 1, generator=generator) < 0.5).to(x0.device)
+        return torch.where(flip, x0.flip(3), x0)
+
+    def device(self) -> torch.device:
+        """Where this client trains (federate.device): auto is cuda when the node has a GPU."""
+        wanted = self.settings.device
+        if wanted == "auto":
+            wanted = "cuda" if torch.cuda.is_available() else "cpu"
+        return torch.device(wanted)
 
     # ---- the server ---------------------------------------------------------------------------
 

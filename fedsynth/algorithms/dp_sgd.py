@@ -64,9 +64,11 @@ def _train(algorithm: FedDdpm, *, model: nn.Module, data: TrainData, should_stop
     rate = algorithm.client_sample_rate(len(data))
     loader = DataLoader(TensorDataset(data.x, data.y), batch_size=s.batch_size,  # Poisson at 1 / len(loader) = rate
                         generator=torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=generator))))
+    device = algorithm.device()
+    model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=algorithm.lr, weight_decay=0.0)
     engine = PrivacyEngine(secure_mode=s.secure_noise)
-    noise = None if s.secure_noise else torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=generator)))
+    noise = None if s.secure_noise else torch.Generator(device=device).manual_seed(int(torch.randint(2**62, (1,), generator=generator)))
     private, dp_optimizer, dp_loader = engine.make_private(
         module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=sigma, max_grad_norm=s.clip,
         poisson_sampling=True, grad_sample_mode=GRAD_SAMPLE_MODE, noise_generator=noise)
@@ -82,7 +84,7 @@ def _train(algorithm: FedDdpm, *, model: nn.Module, data: TrainData, should_stop
                         raise StopRequested(f"local training stopped after {steps} optimizer steps")
                     dp_optimizer.zero_grad(set_to_none=True)
                     if len(x):
-                        x0 = algorithm.augment(x, generator).repeat_interleave(draws, 0)
+                        x0 = algorithm.augment(x.to(device), generator).repeat_interleave(draws, 0)
                         noisy, t, labels, target = noised_batch(scheduler, x0, y.repeat_interleave(draws, 0), num_classes=num_classes,
                                                                 label_dropout=s.label_dropout, generator=generator)
                         loss = denoising_loss(private, noisy, t, labels, target)
@@ -91,7 +93,7 @@ def _train(algorithm: FedDdpm, *, model: nn.Module, data: TrainData, should_stop
                         loss_sum += loss.item()
                     else:  # Poisson sampling drew no image: the step still adds its noise
                         for parameter in model.parameters():
-                            parameter.grad_sample = torch.zeros((0, *parameter.shape))
+                            parameter.grad_sample = torch.zeros((0, *parameter.shape), device=device)
                     dp_optimizer.step()
                     if not dp_optimizer._is_last_step_skipped:
                         steps += 1
@@ -99,6 +101,7 @@ def _train(algorithm: FedDdpm, *, model: nn.Module, data: TrainData, should_stop
                             break
     finally:
         private._close()  # the hooks go: the client's model trains on plainly next round (or is reloaded)
+        model.to("cpu")
     total = int((client_state or {}).get(STEPS_KEY, torch.zeros((), dtype=torch.int64))) + steps
     epsilon = epsilon_spent(noise_multiplier=sigma, sample_rate=rate, steps=total, delta=s.delta, accountant=s.accountant)
     log.info("DP-SGD: %d steps this round, %d in all: epsilon %.3f at delta %g (sigma %.3f, q %.4f, K %d draws)",

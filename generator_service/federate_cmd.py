@@ -9,6 +9,7 @@ import logging
 import signal
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -57,14 +58,25 @@ def run_overrides(args: argparse.Namespace) -> list[str]:
     forced = ['train.algorithm="ddpm"', 'generation.policy="none"']
     if args.size is not None:
         forced_model = [f'train.model="unet-{args.size}"']
-    elif not any(item.strip().startswith("train.model=") for item in args.set):
-        forced_model = ['train.model="unet-tiny"']
-    else:
+    elif any(item.strip().startswith("train.model=") for item in args.set) or _file_names_a_unet(args.config):
         forced_model = []
+    else:
+        forced_model = ['train.model="unet-tiny"']
     flags = {"train.rounds": args.rounds, "federate.local_steps": args.local_steps, "federate.dp": args.dp,
              "federate.target_epsilon": args.target_epsilon, "federate.delta": args.delta,
              "federate.init": None if args.init is None else str(args.init.resolve())}
     return [*forced, *forced_model, *args.set, *(f"{key}={json.dumps(value)}" for key, value in flags.items() if value is not None)]
+
+
+def _file_names_a_unet(path: str | None) -> bool:
+    """Whether the --config file sets train.model to a unet-* (then it, not tiny, is the default size)."""
+    if path is None or not Path(path).is_file():
+        return False
+    try:
+        model = tomllib.loads(Path(path).read_text()).get("train", {}).get("model", "")
+    except (tomllib.TOMLDecodeError, AttributeError):
+        return False  # load_config names what is wrong with the file
+    return isinstance(model, str) and model.startswith("unet-")
 
 
 def check_before_start(cfg: RunConfig) -> None:

@@ -69,6 +69,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 : "${FED_PHYSICAL:=256}"       # UNet rows (images x draws) per physical batch
 : "${FED_LR:=}"                # empty: the size's (2e-4 for half and ddpm-cifar)
 : "${FED_EMA:=0.99}"           # the server's EMA, per round
+: "${FED_GRID:=10}"            # samples per class in FED_OUT/samples.png (0: none)
 if [ -z "$PYTHON" ]; then
   if [ -x "$ROOT/.venv/bin/python" ]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
 fi
@@ -77,7 +78,7 @@ echo "== scripts/gpu_ddpm_cifar10.sh settings"
 for name in DATA_DIR OUT SIZE STEPS BATCH LR WARMUP EMA LABEL_DROPOUT CHECKPOINT_EVERY SEED PER_CLASS GRID \
             HOLDOUT_FRACTION JUDGE_MODEL JUDGE_EPOCHS JUDGE_CACHE MAX_BATCH EVAL_SEED RESULTS THREADS ALLOW_CPU PYTHON \
             RECIPES FED_OUT FED_SIZE FED_CLIENTS FED_ALPHA FED_ROUNDS FED_LOCAL_STEPS FED_DP FED_EPSILON FED_DELTA FED_CLIP \
-            FED_BATCH FED_MULTIPLICITY FED_PHYSICAL FED_LR FED_EMA; do
+            FED_BATCH FED_MULTIPLICITY FED_PHYSICAL FED_LR FED_EMA FED_GRID; do
   printf '  %-16s %s\n' "$name" "${!name:-(default)}"
 done
 
@@ -159,7 +160,7 @@ if [ "$FEDERATED" = "1" ]; then
          --set runtime.round_timeout_s=86400 --set seed="$SEED" --set federate.device="\"$DEVICE\""
          --set federate.clip="$FED_CLIP" --set federate.batch_size="$FED_BATCH" --set federate.noise_multiplicity="$FED_MULTIPLICITY"
          --set federate.max_physical_batch="$FED_PHYSICAL" --set federate.ema_decay="$FED_EMA"
-         --set federate.label_dropout="$LABEL_DROPOUT" --ddim-steps 50 --no-progress --out "$FED_OUT")
+         --set federate.label_dropout="$LABEL_DROPOUT" --ddim-steps 50 --grid-per-class "$FED_GRID" --no-progress --out "$FED_OUT")
     [ "$FED_DP" = "none" ] || fed+=(--target-epsilon "$FED_EPSILON")
     [ -z "$FED_LR" ] || fed+=(--set federate.lr="$FED_LR")
     started=$SECONDS

@@ -124,3 +124,23 @@ def test_a_coordinator_killed_after_a_round_resumes_to_the_same_weights_and_ema(
         assert want.keys() == got.keys()
         for key, value in want.items():
             assert torch.equal(got[key], value), f"{group} {key} differs from the uninterrupted run"
+
+
+@pytest.mark.slow
+def test_a_sample_dp_run_reports_each_clients_epsilon_within_the_target(tmp_path: Path) -> None:
+    out = tmp_path / "generator"
+    result = subprocess.run(
+        _fedsynth("generator", "federate", "--size", "tiny", "--rounds", "2", "--local-steps", "2", "--dp", "sample",
+                  "--target-epsilon", "10", "--set", "data.clients=2", "--set", "federate.batch_size=16",
+                  "--set", "federate.noise_multiplicity=2", "--set", "federate.max_physical_batch=16",
+                  "--grid-per-class", "0", "--no-progress", "--out", str(out)),
+        capture_output=True, text=True, timeout=400,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    provenance = json.loads((out / "provenance.json").read_text())
+    clients = provenance["per_client"]
+    assert sorted(clients) == ["0", "1"] and all(c["steps"] == 4 for c in clients.values())
+    assert all(0 < c["epsilon"] <= 10 for c in clients.values())
+    assert provenance["epsilon"] == max(c["epsilon"] for c in clients.values())
+    logged = [line for line in (out / "run" / "logs").glob("client*.log") for line in line.read_text().splitlines() if "4 in all" in line]
+    assert len(logged) == 2  # each client logs its own epsilon after its last round

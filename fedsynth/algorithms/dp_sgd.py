@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -16,11 +16,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fedsynth.algorithms.base import ClientUpdate, StateDict, snapshot_state
 from fedsynth.algorithms.privacy import epsilon_spent
+from fedsynth.config import FederateConfig
 from fedsynth.errors import StopRequested
 from fedsynth.learning.training import TrainData
-
-if TYPE_CHECKING:
-    from fedsynth.algorithms.ddpm import FedDdpm
 
 log = logging.getLogger(__name__)
 # Opacus's "hooks" mode accepts the UNet but silently returns zero per-image gradients for the weights of seven of
@@ -29,6 +27,23 @@ log = logging.getLogger(__name__)
 # (tests/test_federated_generator.py).
 GRAD_SAMPLE_MODE = "functorch"
 STEPS_KEY = "dp_steps"  # the client's own count of DP-SGD steps so far (its client_state), for its epsilon
+
+
+class FedDdpmLike(Protocol):
+    """What DP-SGD needs of the federated generator algorithm (fedsynth.algorithms.ddpm.FedDdpm)."""
+
+    settings: FederateConfig
+
+    @property
+    def lr(self) -> float: ...
+
+    def device(self) -> torch.device: ...
+
+    def augment(self, x0: torch.Tensor, generator: torch.Generator) -> torch.Tensor: ...
+
+    def sample_noise_multiplier(self, num_samples: int) -> float: ...
+
+    def client_sample_rate(self, num_samples: int) -> float: ...
 
 
 def group_draws(module: nn.Module, draws: int) -> None:
@@ -40,7 +55,7 @@ def group_draws(module: nn.Module, draws: int) -> None:
             parameter.grad_sample = rows.view(-1, draws, *rows.shape[1:]).mean(1)
 
 
-def train_dp_sgd(algorithm: FedDdpm, *, model: nn.Module, data: TrainData, should_stop: Callable[[], bool] | None,
+def train_dp_sgd(algorithm: FedDdpmLike, *, model: nn.Module, data: TrainData, should_stop: Callable[[], bool] | None,
                  generator: torch.Generator, client_state: StateDict | None = None) -> ClientUpdate:
     """local_steps logical DP-SGD steps of expected batch_size images each; sigma from the run's target epsilon over
     rounds x local_steps steps (the budget of a client that takes part in every round: Opacus's get_noise_multiplier,
@@ -50,7 +65,7 @@ def train_dp_sgd(algorithm: FedDdpm, *, model: nn.Module, data: TrainData, shoul
         return _train(algorithm, model=model, data=data, should_stop=should_stop, generator=generator, client_state=client_state)
 
 
-def _train(algorithm: FedDdpm, *, model: nn.Module, data: TrainData, should_stop: Callable[[], bool] | None,
+def _train(algorithm: FedDdpmLike, *, model: nn.Module, data: TrainData, should_stop: Callable[[], bool] | None,
            generator: torch.Generator, client_state: StateDict | None) -> ClientUpdate:
     from opacus import PrivacyEngine
     from opacus.utils.batch_memory_manager import BatchMemoryManager

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from fedsynth.assembly import algorithm_for, client_shard
+from fedsynth.assembly import algorithm_for, client_shard, clients_per_round
 from fedsynth.config import RunConfig, load_config
 from fedsynth.config_schema import DP_LEVELS, GENERATOR_SIZES
 from fedsynth.errors import ConfigError, FedsynthError
@@ -155,7 +155,7 @@ def export(cfg: RunConfig, run_dir: Path, out: Path, *, guidance: float, ddim_st
         "per_client": privacy.get("per_client"),
         "rounds": rounds,
         "clients": cfg.data.clients,
-        "clients_per_round": max(1, round(cfg.train.fraction * cfg.data.clients)),
+        "clients_per_round": clients_per_round(cfg),
         "local_steps": cfg.federate.local_steps,
         "batch_size": cfg.federate.batch_size,
         "dataset": cfg.data.dataset,

@@ -245,3 +245,21 @@ def test_init_loads_a_generator_folder_of_the_same_layout_and_names_the_key_othe
         load_initial_weights(model, tmp_path / "small")
     with pytest.raises(ConfigError, match=r"^federate\.init=.*not a generator folder"):
         load_initial_weights(model, tmp_path / "absent")
+
+
+def test_the_coordinator_exports_epsilon_delta_sigma_s_and_q_to_prometheus() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from coordinator.metrics import CoordinatorMetrics
+
+    registry = CollectorRegistry()
+    metrics = CoordinatorMetrics(registry)
+    _, algorithm, _ = _setup('federate.dp="user"', "federate.target_epsilon=5.0", "train.rounds=4", "federate.clip=0.7")
+    privacy = algorithm.privacy_report(2)
+    metrics.observe_round({"round": 2, "duration_s": 1.0, "phases_s": {}, "participants": [0, 1, 2, 3], "accuracy": math.nan,
+                           "loss": 0.5, "privacy": privacy})
+    value = registry.get_sample_value
+    assert value("fedsynth_coordinator_dp_epsilon") == privacy["epsilon"] > 0
+    assert value("fedsynth_coordinator_dp_delta") == 1e-5 and value("fedsynth_coordinator_dp_clip_norm") == 0.7
+    assert value("fedsynth_coordinator_dp_noise_multiplier") == privacy["noise_multiplier"]
+    assert value("fedsynth_coordinator_dp_sample_rate") == 1.0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +25,17 @@ def run_local_federation(
     watch_timeout_s: float,
     exit_timeout_s: float,
     on_start: Callable[[Child, list[Child]], None] | None = None,
+    coordinator_args: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Run `settings` (--set keys) with clients in processes of clients_per_process each; call on_start(coordinator,
     client nodes) once the coordinator is serving and the nodes are started (before round 1), and on_round(coordinator)
-    as each round's summary arrives; return the coordinator's record (coordinator.json). Raises if the run fails."""
+    as each round's summary arrives; return the coordinator's record (coordinator.json). Raises if the run fails.
+    `coordinator_args`: more flags for the coordinator (e.g. --data-port, --metrics-port)."""
     sets = [item for key, value in settings.items() for item in ("--set", f"{key}={json.dumps(value)}")]
     group = ProcessGroup(folder / "logs")
     try:
         port_file = folder / "coordinator.port"
-        coordinator = group.start("coordinator", fedsynth_command("coordinator", *sets, "--out-dir", str(folder / "run"), "--port", "0", "--port-file", str(port_file), "--insecure"))
+        coordinator = group.start("coordinator", fedsynth_command("coordinator", *sets, "--out-dir", str(folder / "run"), "--port", "0", "--port-file", str(port_file), "--insecure", *coordinator_args))
         address = f"127.0.0.1:{wait_for_file(port_file, coordinator, timeout_s=180)}"
         nodes: list[Child] = []
         for lo in range(0, clients, clients_per_process):

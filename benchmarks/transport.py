@@ -2,16 +2,20 @@
 
 A real `fedsynth coordinator` process (ResNet-18, CIFAR-shaped data, one client) pushes each round's global
 model; this script is the client, on the real client's path (fedsynth.wire.transfer, fedsynth.wire.tensor_buffer): it
-receives the task over Subscribe into one buffer, hashing as chunks arrive, decodes tensors as views of it, and
+receives the task over Subscribe into one buffer, checksumming as chunks arrive, decodes tensors as views of it, and
 sends the same weights straight back with SubmitUpdate ("training off"), which the coordinator verifies,
-decodes, validates and folds into its aggregate. The raw baseline sends the same bytes to an echo process
-over a plain TCP socket and reads them back; the echo receives every message into one buffer (a second raw row,
-a fresh buffer per message, is the baseline this script used before 2026-12-04). Prints a markdown table.
+decodes, validates and folds into its aggregate. Beside it, in the same run: bare gRPC from Python (the same bytes as
+43 x 1 MiB down a server stream and up a client stream, benchmarks/grpc_bare.py: the floor of any gRPC transport),
+and the raw baseline: the same bytes to an echo process over a plain TCP socket and back; the echo receives every
+message into one buffer (a second raw row, a fresh buffer per message, is the baseline used before 2026-12-04).
+Prints a markdown table.
 
-    python benchmarks/transport.py --rounds 7 [--test-images N] [--json FILE]
+    python benchmarks/transport.py --rounds 7 [--planes default tcp] [--test-images N] [--json FILE]
 
---json writes {"raw_round_trip_s", "fedsynth_round_trip_s", "ratio" (raw / ours), "raw_fresh_buffer_round_trip_s",
-"ratio_against_fresh_buffer_raw", "bytes", "rounds", "test_images", "steps_s", ...}.
+Planes: "default" (no runtime.data_plane setting at all: what a user who sets nothing gets), "grpc", "tcp".
+--json writes {"raw_round_trip_s", "bare_grpc_round_trip_s", "default_ratio" (raw / the default round trip),
+"default_round_trip_s", "fedsynth_round_trip_s" and "ratio" (raw / the best plane measured), "round_trip_s" and
+"ratios" per plane, "raw_fresh_buffer_round_trip_s", "bytes", "rounds", "test_images", "load_average", "steps_s", ...}.
 """
 
 from __future__ import annotations
@@ -29,15 +33,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
-
 from deploy.processes import ProcessGroup, fedsynth_command, wait_for_file
 from fedsynth.wire import codec, data_plane, grpcutil
-from fedsynth.wire.raw_messages import submit_update_call
-from fedsynth.wire.tensor_buffer import decode_views, encode_parts, encode_to_buffer
-from fedsynth.wire.transfer import chunk_messages, describe_buffer, receive_into
+from fedsynth.wire.raw_messages import submit_update_call, subscribe_call
+from fedsynth.wire.tensor_buffer import decode_views, encode_parts
+from fedsynth.wire.transfer import chunk_messages, describe_parts, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
+from grpc_bare import bare_round_trips
 from local_federation import cifar_shaped_folder
 
 MB = 1e6
@@ -70,8 +73,9 @@ def start_coordinator(group: ProcessGroup, folder: Path, rounds: int, plane: str
     settings = {
         "data.dataset": "cifar10", "data.data_dir": str(folder), "data.clients": 1, "train.model": "resnet18",
         "train.rounds": rounds, "generation.policy": "none", "runtime.heartbeat_s": 5.0, "runtime.heartbeat_timeout_s": 15.0,
-        "runtime.data_plane": plane,
     }
+    if plane != "default":  # "default": no transport setting at all
+        settings["runtime.data_plane"] = plane
     sets = [item for key, value in settings.items() for item in ("--set", f"{key}={json.dumps(value)}")]
     port_file = folder / f"coordinator-{plane}.port"
     child = group.start(f"coordinator-{plane}", fedsynth_command("coordinator", *sets, "--out-dir", str(folder / f"run-{plane}"), "--port", "0",
@@ -85,10 +89,11 @@ def grpc_round_trips(address: str, rounds: int) -> list[dict[str, float]]:
     channel = grpcutil.make_channel(address)
     stub = pb_grpc.CoordinatorStub(channel)
     submit = submit_update_call(channel)
+    subscribe = subscribe_call(channel)
     spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=60, wait_for_ready=True)
     reply = stub.Register(pb.RegisterRequest(client_id=0, num_samples=1, run_id=spec.run_id), timeout=60)
     session, endpoint = reply.session, data_plane.Endpoint("127.0.0.1", reply.data_port)
-    stream = stub.Subscribe(pb.SubscribeRequest(client_id=0, session=session), timeout=3600)
+    stream = subscribe(pb.SubscribeRequest(client_id=0, session=session), timeout=3600)
     timings = []
     try:
         for _ in range(rounds):
@@ -96,27 +101,27 @@ def grpc_round_trips(address: str, rounds: int) -> list[dict[str, float]]:
             started = time.perf_counter()
             if task.data_ticket:  # checksummed (XXH3-128) as it arrives
                 buffer = data_plane.fetch(endpoint, task.data_ticket, timeout_s=600)
-            else:  # the SHA-256 is computed while the chunks arrive
-                meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
+            else:  # the XXH3-128 is computed while the chunks arrive
+                meta = codec.meta_of(task.payload)
                 buffer = receive_into(meta, ((m.chunk.seq, m.chunk.data) for m in _chunks(stream, task.payload.num_chunks)))
             received = verified = time.perf_counter()
             state = codec.split_prefixed(decode_views(buffer))["model"]
             decoded = time.perf_counter()
-            if task.data_ticket:  # sent from the tensors' own memory (here the views of the received buffer)
-                parts = encode_parts(codec.join_prefixed(model=state))
+            parts = encode_parts(codec.join_prefixed(model=state))  # sent from the tensors' own memory (views of the buffer)
+            if task.data_ticket:
                 reply_meta = codec.PayloadMeta(sum(part.nbytes for part in parts), "", 0)
             else:
-                payload = encode_to_buffer(codec.join_prefixed(model=state))
-                reply_meta = describe_buffer(payload)
+                reply_meta = describe_parts(parts)
             encoded = time.perf_counter()
             header = pb.UpdateHeader(
                 client_id=0, session=session, round=task.round, task_id=task.task_id,
-                payload=pb.Payload(total_bytes=reply_meta.total_bytes, sha256=reply_meta.sha256, num_chunks=reply_meta.num_chunks),
+                payload=pb.Payload(total_bytes=reply_meta.total_bytes, sha256=reply_meta.sha256, num_chunks=reply_meta.num_chunks,
+                                   xxh3_128=reply_meta.xxh3_128),
             )
             if task.data_ticket:  # hashed as it is sent
                 data_plane.submit(endpoint, task.data_ticket, header.SerializeToString(), parts, timeout_s=600)
             else:
-                submit(_reply(header, payload), timeout=600)
+                submit(_reply(header, parts), timeout=600)
             sent = time.perf_counter()
             timings.append({
                 "bytes": float(buffer.numel()), "push_transfer": received - started, "push_verify": verified - received,
@@ -128,9 +133,9 @@ def grpc_round_trips(address: str, rounds: int) -> list[dict[str, float]]:
     return timings
 
 
-def _reply(header: pb.UpdateHeader, payload: torch.Tensor) -> Iterator[pb.UpdateChunk | bytes]:
+def _reply(header: pb.UpdateHeader, parts: list[memoryview]) -> Iterator[pb.UpdateChunk | bytes]:
     yield pb.UpdateChunk(header=header)
-    yield from chunk_messages(payload)
+    yield from chunk_messages(parts)
 
 
 def _chunks(stream: Iterator[pb.ServerMessage], count: int) -> Iterator[pb.ServerMessage]:
@@ -179,7 +184,7 @@ def coordinator_processing(payload: bytes, repeats: int) -> float:
 
     torch.set_num_threads(1)
 
-    meta = codec.describe(payload)
+    meta = describe_parts([memoryview(payload)])
     chunks = list(codec.split(payload))
     state = codec.split_prefixed(codec.decode(payload))["model"]
     layout = codec.layout_of(state)
@@ -198,8 +203,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=7, help="measured round trips (the median is reported)")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
-    parser.add_argument("--planes", nargs="+", choices=("grpc", "tcp"), default=["grpc", "tcp"],
-                        help="runtime.data_plane settings to measure, one coordinator each, one after the other (default: both)")
+    parser.add_argument("--planes", nargs="+", choices=("default", "grpc", "tcp"), default=["default", "tcp"],
+                        help="runtime.data_plane settings to measure, one coordinator each, one after the other "
+                             "(default: %(default)s; \"default\" sets nothing, which is gRPC)")
     parser.add_argument("--test-images", type=int, default=2,
                         help="the coordinator's test split (default %(default)s): its per-round test pass runs beside the "
                              "next round's transfers, and one ResNet-18 pass over 20 images takes ~0.27 s of this 2-core CPU")
@@ -222,6 +228,8 @@ def main() -> None:
 
     weights = codec.encode(codec.join_prefixed(model=snapshot_state(build_model("resnet18", num_classes=10, in_channels=3, image_size=32))))
     raw = statistics.median(raw_tcp_round_trips(weights, args.rounds))
+    bare_down, bare_up = bare_round_trips(args.rounds)
+    bare = bare_down + bare_up
     raw_fresh = statistics.median(raw_tcp_round_trips(weights, args.rounds, reuse=False))
     processing = coordinator_processing(weights, args.rounds)
     totals = {plane: m["push_transfer"] + m["push_verify"] + m["push_decode"] + m["reply_encode"] + m["reply_submit"]
@@ -234,20 +242,27 @@ def main() -> None:
           f"{args.rounds}; {args.test_images} test images; {platform.node()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n")
     print("| step | " + " | ".join(f"runtime.data_plane = {p} (s)" for p in steps) + " |")
     print("|---|" + "---:|" * len(steps))
-    print(f"| push: task header to last byte, written in place and hashed as it arrives (gRPC: SHA-256 of 1 MiB chunks on the Subscribe stream; tcp: XXH3-128 on one connection) | {column('push_transfer')} |")
+    print(f"| push: task header to last byte, written in place and hashed as it arrives (gRPC: 1 MiB chunks on the Subscribe stream; tcp: one connection; XXH3-128 both) | {column('push_transfer')} |")
     decode = " | ".join(f"{m['push_verify'] + m['push_decode']:.3f}" for m in steps.values())
     print(f"| push: safetensors header + tensor views (client) | {decode} |")
-    print(f"| reply: safetensors encode (gRPC: into one buffer + SHA-256; tcp: the header only, the tensors are sent from their own memory and hashed while sending) | {column('reply_encode')} |")
+    print(f"| reply: safetensors header (the tensors are sent from their own memory; gRPC: + XXH3-128 of them, announced in the header; tcp: hashed while sending) | {column('reply_encode')} |")
     print(f"| reply: upload until the coordinator answers (verified, checked and folded) | {column('reply_submit')} |")
     print("| **round trip, real path (everything above)** | " + " | ".join(f"**{t:.3f}**" for t in totals.values()) + " |")
     print("| ratio: raw TCP ÷ round trip | " + " | ".join(f"{raw / t:.2f}" for t in totals.values()) + " |")
+    print("| round trip ÷ bare gRPC's | " + " | ".join(f"{t / bare:.2f}" for t in totals.values()) + " |")
+    print(f"\nbare gRPC from Python, the same bytes as 43 x 1 MiB each way (benchmarks/grpc_bare.py): {bare:.3f} s "
+          f"({bare_down:.3f} down, {bare_up:.3f} up; raw ÷ bare {raw / bare:.2f}).")
     print(f"\nraw TCP round trip (same bytes to an echo process and back, one receive buffer): {raw:.3f} s ({rate(raw, 2)} MB/s); "
           f"with a fresh buffer per message (the baseline before 2026-12-04): {raw_fresh:.3f} s. The coordinator's in-place "
-          f"receive + SHA-256 + views + validation + aggregation of one update, timed in-process: {processing:.3f} s.")
+          f"receive + XXH3-128 + views + validation + aggregation of one update, timed in-process: {processing:.3f} s.")
     if args.json is not None:
-        best = "tcp" if "tcp" in totals else "grpc"
+        best = min(totals, key=totals.__getitem__)
+        default = totals.get("default", totals.get("grpc"))  # "grpc" is what the default means
         args.json.write_text(json.dumps({
             "raw_round_trip_s": raw, "fedsynth_round_trip_s": totals[best], "ratio": raw / totals[best], "fedsynth_data_plane": best,
+            "bare_grpc_round_trip_s": bare, "bare_grpc_down_s": bare_down, "bare_grpc_up_s": bare_up,
+            "default_round_trip_s": default, "default_ratio": None if default is None else raw / default,
+            "default_over_bare_grpc": None if default is None else default / bare, "load_average": os.getloadavg()[0],
             "round_trip_s": totals, "ratios": {p: raw / t for p, t in totals.items()}, "bytes": size,
             "raw_fresh_buffer_round_trip_s": raw_fresh, "rounds": args.rounds, "test_images": args.test_images,
             "coordinator_processing_s": processing, "steps_s": steps,

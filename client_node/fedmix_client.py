@@ -4,15 +4,16 @@ unpack the coordinator's pool when a task carries it."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
+import grpc
 import numpy as np
 import torch
 
-from fedsynth.wire import codec, grpcutil
+from client_node.uploads import payload_message, stream_upload
+from fedsynth.wire import codec
 from fedsynth.errors import WireError
+from fedsynth.wire.tensor_buffer import encode_parts
 from fedsynth.v1 import coordinator_pb2 as pb
-from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -30,24 +31,19 @@ def mean_data(images: np.ndarray, labels: np.ndarray, *, num_classes: int, mean_
     return means_x.reshape(count, *images.shape[1:]), means_y.reshape(count, num_classes)
 
 
-def upload_mean_data(stub: pb_grpc.CoordinatorStub, client_id: int, session: str, images: np.ndarray, labels: np.ndarray, *,
+def upload_mean_data(call: grpc.StreamUnaryMultiCallable, client_id: int, session: str, images: np.ndarray, labels: np.ndarray, *,
                      mean_batch: int, timeout_s: float) -> int:
-    data = codec.encode({"images": torch.from_numpy(images), "labels": torch.from_numpy(labels)})
-    meta = codec.describe(data)
+    """Upload the means once over Coordinator.UploadMeanData (`raw_messages.upload_call`)."""
     _, h, w, c = images.shape
-    header = pb.MeanDataHeader(
-        client_id=client_id, session=session, count=len(labels), height=h, width=w, channels=c,
-        num_classes=labels.shape[1], mean_batch=mean_batch,
-        payload=pb.Payload(total_bytes=meta.total_bytes, sha256=meta.sha256, num_chunks=meta.num_chunks),
-    )
 
-    def messages() -> Iterator[pb.MeanDataChunk]:
-        yield pb.MeanDataChunk(header=header)
-        for seq, piece in codec.split(data):
-            yield pb.MeanDataChunk(chunk=pb.Chunk(seq=seq, data=piece))
+    def header(meta: codec.PayloadMeta, _inline: bytes) -> pb.MeanDataChunk:
+        return pb.MeanDataChunk(header=pb.MeanDataHeader(
+            client_id=client_id, session=session, count=len(labels), height=h, width=w, channels=c,
+            num_classes=labels.shape[1], mean_batch=mean_batch, payload=payload_message(meta),
+        ))
 
-    reply = grpcutil.call_with_retry(lambda: stub.UploadMeanData(messages(), timeout=timeout_s), deadline_s=timeout_s,
-                                     what=f"client {client_id} mean-data upload")
+    parts = encode_parts({"images": torch.from_numpy(images), "labels": torch.from_numpy(labels)})
+    reply = stream_upload(call, header, parts, timeout_s=timeout_s, what=f"client {client_id} mean-data upload")
     log.info("client %d: uploaded %d means of %d images", client_id, reply.stored, mean_batch)
     return int(reply.stored)
 

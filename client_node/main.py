@@ -12,6 +12,7 @@ import torch
 
 from client_node.metrics import ClientMetrics
 from client_node.node import NodeOptions, run_clients
+from client_node.sdafl_client import remove_leftover_shards
 from fedsynth.process import lifetime
 from fedsynth.wire import tls
 from fedsynth.config import generator_addresses
@@ -50,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generator", metavar="HOST:PORT",
                         help="the generator service (needed by generation policies); replicas as HOST:PORT,HOST:PORT,... "
                              "or dns:///NAME:PORT (round_robin over NAME's addresses): requests are sharded across them")
+    parser.add_argument("--data", action="append", default=[], metavar="PATH or ID=PATH",
+                        help="local mode (data.source = \"local\"): this client's own data, a folder (train/<class>/, "
+                             "optionally test/<class>/), an .npz or a datasets folder; ID=PATH, repeated, for a node hosting "
+                             "several clients; or one folder holding client-<id>/ folders")
     parser.add_argument("--cache-dir", default="fedsynth-cache", help="folder of the persistent synthetic-image cache")
     parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of this process")
     parser.add_argument("--reconnect-timeout", type=float, default=300.0, help="give up after the coordinator is unreachable this long (s)")
@@ -58,11 +63,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tls.add_tls_arguments(parser, server=False)
 
 
-def node_options(args: argparse.Namespace, ids: list[int]) -> dict[int, NodeOptions]:
+def data_paths(values: list[str], ids: list[int]) -> dict[int, Path]:
+    """--data PATH / ID=PATH (repeated) / a folder of client-<id>/ folders -> this node's path per client id."""
+    if not values:
+        return {}
+    named: dict[int, Path] = {}
+    plain: list[Path] = []
+    for value in values:
+        key, sep, path = value.partition("=")
+        if sep and key.strip().isdigit():
+            cid = int(key)
+            if cid not in ids or cid in named:
+                raise ConfigError(f"--data {value!r}: client {cid} is {'named twice' if cid in named else 'not hosted here'} "
+                                  f"(--clients {','.join(map(str, ids))})")
+            named[cid] = Path(path).expanduser()
+        else:
+            plain.append(Path(value).expanduser())
+    if len(plain) > 1:
+        raise ConfigError(f"--data: give one PATH, or ID=PATH per client; got {len(plain)} plain paths")
+    paths = dict(named)
+    for cid in ids:
+        if cid in paths:
+            continue
+        if not plain:
+            raise ConfigError(f"--data names no path for client {cid} (give {cid}=PATH)")
+        folder = plain[0] / f"client-{cid}"
+        if folder.is_dir():
+            paths[cid] = folder
+        elif len(ids) == 1:
+            paths[cid] = plain[0]
+        else:
+            raise ConfigError(f"--data {str(plain[0])!r}: no folder client-{cid}/ in it for client {cid}")
+    for cid, path in paths.items():
+        if not path.exists():
+            raise ConfigError(f"--data: client {cid}'s data {str(path)!r} does not exist")
+    return paths
+
+
+def node_options(args: argparse.Namespace, ids: list[int], revoked: tls.RevocationList | None) -> dict[int, NodeOptions]:
     """One NodeOptions per logical client: with TLS each dials with its own client-K certificate."""
     if len(ids) > 1 and (args.tls_cert or args.tls_key):
         raise ConfigError(f"--tls-cert/--tls-key name one identity but this process hosts clients {args.clients}; "
                           "use --tls-dir (one client-K certificate per logical client)")
+    paths = data_paths(args.data, ids)
     options = {}
     for cid in ids:
         files = tls.tls_files_from_args(args, f"client-{cid}")
@@ -71,7 +114,8 @@ def node_options(args: argparse.Namespace, ids: list[int]) -> dict[int, NodeOpti
         credentials = None if files is None else tls.channel_credentials(files)
         options[cid] = NodeOptions(coordinator=args.coordinator, generator=args.generator, cache_dir=Path(args.cache_dir),
                                    reconnect_timeout_s=args.reconnect_timeout, credentials=credentials,
-                                   data_plane_tls=None if files is None else tls.ssl_client_context(files))
+                                   data_plane_tls=None if files is None else tls.ssl_client_context(files),
+                                   tls_files=files, revoked=revoked, data_path=paths.get(cid))
     return options
 
 
@@ -86,8 +130,11 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.torch_threads)
     # The first optimizer imports torch._dynamo (~3 s): pay it here, not inside a round where a SIGTERM would wait on it.
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    options = node_options(args, ids)
-    metrics_server = serve_metrics_from_args(args, tls.tls_files_from_args(args, f"client-{ids[0]}"))  # the first client's pair
+    first = tls.tls_files_from_args(args, f"client-{ids[0]}")  # /metrics serves HTTPS with the first client's pair
+    revoked = tls.revocation_from_args(args, first)
+    options = node_options(args, ids, revoked)
+    remove_leftover_shards(Path(args.cache_dir))
+    metrics_server = serve_metrics_from_args(args, first, revoked)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -1,8 +1,10 @@
-"""One logical client: register, wait for pushed tasks, generate once, train, upload; reconnect when the link drops."""
+"""One logical client: register, wait for pushed tasks, generate once, train, upload (or test the global model on its
+local test set and send counts); reconnect when the link drops."""
 
 from __future__ import annotations
 
 import logging
+import secrets
 import ssl
 import threading
 import time
@@ -17,22 +19,38 @@ import torch
 from client_node.fedmix_client import mean_data, pool_from_group, upload_mean_data
 from client_node.heartbeats import send_heartbeats
 from client_node.metrics import ClientMetrics
-from client_node.sdafl_client import ensure_samples, upload
+from client_node.sdafl_client import ensure_samples, report_failure, upload
 from client_node.synthesis import SyntheticSet, fedeas_total, synthesize
+from client_node.uploads import payload_message, stream_upload
 from fedsynth.wire import codec, data_plane, grpcutil, wire_dtype
-from fedsynth.assembly import algorithm_for, client_seed, client_shard, local_train_config, model_for, round_generator
+from fedsynth.assembly import (
+    algorithm_for,
+    client_seed,
+    client_shard,
+    local_test_split,
+    local_train_config,
+    model_for,
+    round_generator,
+)
 from fedsynth.config import RunConfig, from_json
-from fedsynth.errors import FedsynthError, StopRequested, WireError
-from fedsynth.wire.raw_messages import submit_update_call
+from fedsynth.errors import ConfigError, DataError, FedsynthError, StopRequested, WireError
+from fedsynth.learning.data import ArrayDataset
+from fedsynth.learning.label_schema import schema_of
+from fedsynth.learning.local_data import load_client_data
+from fedsynth.wire.raw_messages import submit_update_call, subscribe_call, upload_call
+from fedsynth.wire.server_check import ServerUnreachable, check_servers, refused
+from fedsynth.wire.tls import PeerIdentity, RevocationList, TLSFiles
 from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_OK
-from fedsynth.wire.tensor_buffer import decode_views, encode_parts, encode_to_buffer
+from fedsynth.wire.tensor_buffer import decode_views, encode_parts
+from fedsynth.learning.evaluation import count_predictions
 from fedsynth.learning.training import TrainData, images_to_tensor
-from fedsynth.wire.transfer import chunk_messages, describe_buffer, receive_inline, receive_into
+from fedsynth.wire.transfer import receive_inline, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 30.0
+NODE_TOKEN = secrets.token_hex(8)  # this process's: the coordinator tells a reconnect from a second node claiming an id
 SUBSCRIBE_TIMEOUT_S = 3600.0  # the dispatch stream is renewed after an hour; keepalive notices a dead peer much sooner
 
 
@@ -44,6 +62,9 @@ class NodeOptions:
     reconnect_timeout_s: float = 300.0
     credentials: grpc.ChannelCredentials | None = None
     data_plane_tls: ssl.SSLContext | None = None  # the same identity as `credentials`, for the coordinator's data plane
+    tls_files: TLSFiles | None = None  # the pair behind `credentials`: checking the servers' certificates
+    revoked: RevocationList | None = None  # refuse a coordinator or generator whose certificate it lists
+    data_path: Path | None = None  # local mode (data.source = "local"): this client's own data (`--data`)
 
 
 @dataclass
@@ -53,12 +74,21 @@ class ClientState:
     cfg: RunConfig
     real_x: np.ndarray
     real_y: np.ndarray
+    # Local mode: the client's own test split (its folder's test/), kept for federated evaluation; None without one.
+    local_test: ArrayDataset | None = None
+    # What registration reports about the label schema: the digest the data was written for, its image channels and
+    # side, and class names the data holds that the schema lacks.
+    schema_digest: str = ""
+    image_channels: int = 0
+    image_size: int = 0
+    unknown_classes: tuple[str, ...] = ()
     data: TrainData | None = None
     synthetic: SyntheticSet | None = None
     algorithm_state: dict[str, torch.Tensor] = field(default_factory=dict)
     shared_images: np.ndarray | None = None  # SDA-FL: the coordinator's synthetic set, received once
     shared_digest: str = ""
     mean_pool: tuple[torch.Tensor, torch.Tensor] | None = None  # FedMix / NaiveMix: the pooled means, received once
+    test: TrainData | None = None  # federated evaluation: the local test set (never trained on, never sent)
 
 
 class RunEnded(Exception):
@@ -78,6 +108,7 @@ class LogicalClient:
         self.state: ClientState | None = None
         self._stream: grpc.Future | None = None
         self._data_plane: data_plane.Endpoint | None = None  # announced at registration (runtime.data_plane = "tcp")
+        self._coordinator_identity: PeerIdentity | None = None  # its certificate's, when a revocation list is checked
 
     def cancel(self) -> None:
         """Break out of a blocking dispatch stream (used on SIGTERM)."""
@@ -89,6 +120,9 @@ class LogicalClient:
         channel = grpcutil.make_channel(self.options.coordinator, self.options.credentials)
         stub = pb_grpc.CoordinatorStub(channel)
         self._submit_update = submit_update_call(channel)  # sends chunk messages serialized by hand, as they are
+        self._subscribe = subscribe_call(channel)  # chunk messages parsed by hand: views of the received bytes
+        self._upload_synthetic = upload_call(channel, "UploadSynthetic")
+        self._upload_mean_data = upload_call(channel, "UploadMeanData")
         lost_since: float | None = None
         try:
             while not self.stop.is_set():
@@ -100,7 +134,7 @@ class LogicalClient:
                 except StopRequested as stopped:  # nothing was uploaded; the synthetic cache is written atomically
                     log.info("client %d: %s", self.client_id, stopped)
                     break
-                except grpc.RpcError as exc:
+                except (grpc.RpcError, ServerUnreachable) as exc:
                     if self.stop.is_set():
                         break
                     code = exc.code() if isinstance(exc, grpc.Call) else None
@@ -124,37 +158,55 @@ class LogicalClient:
 
     def _session(self, stub: pb_grpc.CoordinatorStub) -> None:
         spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=RPC_TIMEOUT_S, wait_for_ready=True)
+        self._check_coordinator()
         if self.state is None:
             self.state = self._prepare(from_json(spec.config_json))
         cfg = self.state.cfg
         counts = np.bincount(self.state.real_y, minlength=self.num_classes)
-        reply = stub.Register(
-            pb.RegisterRequest(
-                client_id=self.client_id,
-                num_samples=len(self.state.real_y),
-                fedeas_images=fedeas_total(cfg, counts),
-                missing_classes=[int(c) for c in np.flatnonzero(counts == 0)] if cfg.generation.policy == "missing" else [],
-                run_id=spec.run_id,
-                synthetic_digest=self.state.shared_digest,
-                label_counts=[int(c) for c in counts] if cfg.train.algorithm == "fedgen" else [],
-            ),
-            timeout=RPC_TIMEOUT_S,
-        )
-        if cfg.train.algorithm == "sdafl" and not reply.synthetic_uploaded:
-            images, privacy = ensure_samples(
-                cfg, self.client_id, self.state.real_x, self.options.cache_dir,
-                timeout_s=cfg.runtime.registration_timeout_s, torch_threads=torch.get_num_threads(), should_stop=self.stop.is_set,
+        try:
+            reply = stub.Register(
+                pb.RegisterRequest(
+                    client_id=self.client_id,
+                    num_samples=len(self.state.real_y),
+                    fedeas_images=fedeas_total(cfg, counts),
+                    missing_classes=[int(c) for c in np.flatnonzero(counts == 0)] if cfg.generation.policy == "missing" else [],
+                    run_id=spec.run_id,
+                    synthetic_digest=self.state.shared_digest,
+                    label_counts=[int(c) for c in counts] if cfg.train.algorithm == "fedgen" else [],
+                    schema_digest=self.state.schema_digest,
+                    image_channels=self.state.image_channels,
+                    image_size=self.state.image_size,
+                    unknown_classes=list(self.state.unknown_classes),
+                    node_token=NODE_TOKEN,
+                ),
+                timeout=RPC_TIMEOUT_S,
             )
-            upload(stub, self.client_id, reply.session, images, privacy, timeout_s=RPC_TIMEOUT_S * 4)
+        except grpc.RpcError as exc:  # this client's data does not fit the run (e.g. data.max_samples_per_client): final
+            if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise RunEnded(False, f"registration refused: {exc.details()}", EXIT_ERROR) from exc
+            raise
+        if cfg.train.algorithm == "sdafl" and not reply.synthetic_uploaded:
+            try:
+                images, privacy = ensure_samples(
+                    cfg, self.client_id, self.state.real_x, self.options.cache_dir,
+                    timeout_s=cfg.runtime.registration_timeout_s, torch_threads=torch.get_num_threads(), should_stop=self.stop.is_set,
+                )
+            except StopRequested:
+                raise
+            except FedsynthError as failure:
+                report_failure(stub, self.client_id, reply.session, failure, timeout_s=RPC_TIMEOUT_S)
+                raise
+            upload(self._upload_synthetic, self.client_id, reply.session, images, privacy, timeout_s=RPC_TIMEOUT_S * 4)
         if reply.mean_data_wanted:
             mean_batch = int(getattr(self.algorithm, "mean_batch"))
             means_x, means_y = mean_data(self.state.real_x, self.state.real_y, num_classes=self.num_classes, mean_batch=mean_batch,
                                          seed=client_seed(cfg, self.client_id, "fedmix-means") % (2**32))
-            upload_mean_data(stub, self.client_id, reply.session, means_x, means_y, mean_batch=mean_batch, timeout_s=RPC_TIMEOUT_S * 4)
+            upload_mean_data(self._upload_mean_data, self.client_id, reply.session, means_x, means_y, mean_batch=mean_batch,
+                             timeout_s=RPC_TIMEOUT_S * 4)
         self._data_plane = None if not reply.data_port else data_plane.Endpoint(
             self.options.coordinator.rpartition(":")[0].strip("[]"), reply.data_port, self.options.data_plane_tls)
         log.info("client %d: registered (N_k=%d, %d rounds done)", self.client_id, len(self.state.real_y), reply.completed_rounds)
-        stream = stub.Subscribe(pb.SubscribeRequest(client_id=self.client_id, session=reply.session), timeout=SUBSCRIBE_TIMEOUT_S)
+        stream = self._subscribe(pb.SubscribeRequest(client_id=self.client_id, session=reply.session), timeout=SUBSCRIBE_TIMEOUT_S)
         self._stream = stream
         beating = threading.Event()
         heartbeats = threading.Thread(target=send_heartbeats, name=f"heartbeat-{self.client_id}", daemon=True,
@@ -169,7 +221,12 @@ class LogicalClient:
                     raise RunEnded(message.finished.success, message.finished.reason, message.finished.exit_code)
                 if kind != "task":
                     raise WireError(f"expected a task header, got {kind}")
-                self._do_task(stub, reply.session, message.task, stream)
+                if self._coordinator_identity is not None and self.options.revoked is not None:
+                    refused(self._coordinator_identity, self.options.revoked, what=f"coordinator at {self.options.coordinator}")
+                if message.task.evaluate:
+                    self._do_evaluation(stub, reply.session, message.task, stream)
+                else:
+                    self._do_task(stub, reply.session, message.task, stream)
         except grpc.RpcError as exc:
             if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return  # renew the dispatch stream
@@ -182,18 +239,47 @@ class LogicalClient:
             self._stream = None
             stream.cancel()
 
+    def _check_coordinator(self) -> None:
+        """With a revocation list: the coordinator's certificate, read in a handshake of our own on every (re)connection
+        (gRPC does not show a client its server's certificate), must not be revoked (RevokedServer ends the client)."""
+        if self.options.revoked is None or self.options.tls_files is None:
+            return
+        [self._coordinator_identity] = check_servers(self.options.coordinator, self.options.tls_files, self.options.revoked,
+                                                     what="coordinator", timeout_s=RPC_TIMEOUT_S)
+
     def _prepare(self, cfg: RunConfig) -> ClientState:
-        shard = client_shard(cfg, self.client_id)
-        self.model = model_for(cfg, num_classes=shard.num_classes, in_channels=shard.image_shape[0], image_size=shard.image_shape[1])
+        """Load this client's data: its shard of the run's dataset (split mode) or its own folder (local mode), and
+        choose its local test examples for federated evaluation."""
+        schema = schema_of(cfg.data)
+        if cfg.data.source == "local":
+            if self.options.data_path is None or schema is None:
+                raise ConfigError(f"client {self.client_id}: the run's data.source is \"local\" but this node got no --data "
+                                  f"for client {self.client_id}")
+            local = load_client_data(self.options.data_path, schema, client_id=self.client_id, min_size=cfg.data.min_size,
+                                     cache_dir=self.options.cache_dir / "data")
+            full, own_test, channels, size = local.train, local.test, schema.channels, schema.image_size
+            described = (local.schema_digest, full.x.shape[3], full.x.shape[1], local.unknown_classes)
+            log.info("client %d: loaded %d training and %d test images (%s) from %s", self.client_id, len(full.y),
+                     0 if own_test is None else len(own_test.y), local.format, self.options.data_path)
+        else:
+            if self.options.data_path is not None:
+                raise DataError(f"client {self.client_id}: --data was given but the run's data.source is \"split\" "
+                                "(set data.source = \"local\" in the run config)")
+            full, own_test = client_shard(cfg, self.client_id), None
+            channels, size = full.image_shape[0], full.image_shape[1]
+            described = (schema.digest() if schema is not None else "", channels, size, ())
+        shard, test = local_test_split(cfg, self.client_id, full, own_test=own_test)
+        self.model = model_for(cfg, num_classes=shard.num_classes, in_channels=channels, image_size=size)
         self.layout = codec.layout_of(self.model.state_dict())
         self.algorithm = algorithm_for(cfg)
         self.num_classes = shard.num_classes
-        return ClientState(cfg, shard.x, shard.y)
+        test_data = None if test is None else TrainData(images_to_tensor(test.x), torch.as_tensor(test.y, dtype=torch.int64))
+        return ClientState(cfg, shard.x, shard.y, own_test, *described, test=test_data)
 
     # ---- one task ------------------------------------------------------------------------------
 
     def _receive_payload(self, task: pb.Task, stream: Iterator[pb.ServerMessage]) -> dict[str, dict[str, torch.Tensor]]:
-        def chunks() -> Iterator[tuple[int, bytes]]:
+        def chunks() -> Iterator[tuple[int, bytes | memoryview]]:
             received = 0
             while received < task.payload.num_chunks:
                 message = next(stream)
@@ -204,7 +290,7 @@ class LogicalClient:
                 received += 1
                 yield message.chunk.seq, message.chunk.data
 
-        meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
+        meta = codec.meta_of(task.payload)
         if task.data_ticket:
             buffer = data_plane.fetch(self._endpoint(), task.data_ticket, timeout_s=max(RPC_TIMEOUT_S, task.deadline_s))
         elif task.inline_payload:
@@ -261,45 +347,63 @@ class LogicalClient:
         model_group, extra_group = wire_dtype.outgoing(update.state, update.extra, global_state, cfg.runtime.wire_dtype)
         outgoing = codec.join_prefixed(model=model_group, extra=extra_group)
         del model_group, extra_group
-        if task.data_ticket:  # sent from the tensors' own memory, checksummed as it goes: no encoded copy, no SHA-256
-            parts = encode_parts(outgoing)
-            meta = codec.PayloadMeta(sum(part.nbytes for part in parts), "", 0)
-        else:
-            payload = encode_to_buffer(outgoing)
-            meta = describe_buffer(payload)
-            if meta.num_chunks == 1:  # it fits one chunk: it travels in the header, one message
-                meta = codec.PayloadMeta(meta.total_bytes, meta.sha256, 0)
-        del outgoing  # the parts (or the payload) hold what they need
-        header = pb.UpdateHeader(
-            client_id=self.client_id,
-            session=session,
-            round=task.round,
-            task_id=task.task_id,
-            payload=pb.Payload(total_bytes=meta.total_bytes, sha256=meta.sha256, num_chunks=meta.num_chunks),
-            train_seconds=train_seconds,
-            train_loss=update.train_loss,
-            num_steps=update.num_steps,
-            train_samples=len(self.state.data),
-            generation=generation_report,
-            inline_payload=b"" if task.data_ticket or meta.num_chunks else bytes(payload.numpy()),
-        )
+        parts = encode_parts(outgoing)  # sent from the tensors' own memory: no encoded copy
+        del outgoing  # the parts hold what they need
+        total = sum(part.nbytes for part in parts)
 
-        def messages() -> Iterator[pb.UpdateChunk | bytes]:
-            yield pb.UpdateChunk(header=header)
-            if not header.inline_payload:
-                yield from chunk_messages(payload)
+        def header(meta: codec.PayloadMeta, inline: bytes) -> pb.UpdateChunk:
+            return pb.UpdateChunk(header=pb.UpdateHeader(
+                client_id=self.client_id, session=session, round=task.round, task_id=task.task_id, payload=payload_message(meta),
+                train_seconds=train_seconds, train_loss=update.train_loss, num_steps=update.num_steps,
+                train_samples=len(self.state.data), generation=generation_report,
+                inline_payload=inline,
+            ))
 
-        def submit() -> object:
-            timeout_s = max(RPC_TIMEOUT_S, task.deadline_s)
-            if task.data_ticket:
-                return data_plane.submit(self._endpoint(), task.data_ticket, header.SerializeToString(), parts, timeout_s=timeout_s)
-            return self._submit_update(messages(), timeout=timeout_s)
-
-        log.info("client %d: uploading round %d (%d bytes)", self.client_id, task.round, meta.total_bytes)
-        grpcutil.call_with_retry(submit, deadline_s=max(RPC_TIMEOUT_S, task.deadline_s), what=f"client {self.client_id} submit")
-        self.metrics.bytes_sent.inc(meta.total_bytes)
+        timeout_s = max(RPC_TIMEOUT_S, task.deadline_s)
+        log.info("client %d: uploading round %d (%d bytes)", self.client_id, task.round, total)
+        try:
+            if task.data_ticket:  # checksummed as it goes, over the data plane
+                opening = header(codec.PayloadMeta(total, "", 0), b"").header.SerializeToString()
+                grpcutil.call_with_retry(lambda: data_plane.submit(self._endpoint(), task.data_ticket, opening, parts, timeout_s=timeout_s),
+                                         deadline_s=timeout_s, what=f"client {self.client_id} submit")
+            else:
+                stream_upload(self._submit_update, header, parts, timeout_s=timeout_s, what=f"client {self.client_id} submit", inline=True)
+        except grpc.RpcError as exc:
+            # Refused for the state of the run (its round closed, its norm past runtime.max_update_norm): the dispatch
+            # stream is still good, and the next task (or the run's end) comes on it
+            if not (isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION):
+                raise
+            log.warning("client %d: round %d: the coordinator refused the update: %s", self.client_id, task.round, exc.details())
+            return
+        self.metrics.bytes_sent.inc(total)
         self.metrics.rounds.inc()
         log.info("client %d: round %d done (%.1fs training, loss %.4f)", self.client_id, task.round, train_seconds, update.train_loss)
+
+    def _do_evaluation(self, stub: pb_grpc.CoordinatorStub, session: str, task: pb.Task, stream: Iterator[pb.ServerMessage]) -> None:
+        """Test the task's global model on the local test set; only the counts leave (docs/evaluation.md)."""
+        assert self.state is not None
+        global_state = self._receive_payload(task, stream).get("model", {})
+        codec.check_like(global_state, self.layout, what="global model to evaluate from the coordinator")
+        self.model.load_state_dict(global_state)  # the next training task loads its own global model
+        started = time.monotonic()
+        test = self.state.test  # None: a shard too small to hold any out; it reports 0 examples
+        if test is None:
+            test = TrainData(images_to_tensor(self.state.real_x[:0]), torch.zeros(0, dtype=torch.int64))
+        counts = count_predictions(self.model, test, self.num_classes, self.state.cfg.train.eval_batch_size)
+        result = pb.EvaluationResult(
+            client_id=self.client_id, session=session, round=task.round, task_id=task.task_id, examples=counts.examples,
+            correct=counts.correct, loss_sum=counts.loss_sum, class_correct=list(counts.class_correct),
+            class_total=list(counts.class_total), evaluate_seconds=time.monotonic() - started,
+        )
+        try:
+            grpcutil.call_with_retry(lambda: stub.SubmitEvaluation(result, timeout=RPC_TIMEOUT_S),
+                                     deadline_s=max(RPC_TIMEOUT_S, task.deadline_s), what=f"client {self.client_id} evaluation")
+        except grpc.RpcError as exc:
+            if not isinstance(exc, grpc.Call) or exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            log.warning("client %d: evaluation of round %d not taken: %s", self.client_id, task.round, exc.details())
+            return
+        log.info("client %d: round %d evaluated (%d of %d correct)", self.client_id, task.round, counts.correct, counts.examples)
 
     def _endpoint(self) -> data_plane.Endpoint:
         if self._data_plane is None:

@@ -15,6 +15,7 @@ from fedsynth.allocation import client_quota
 from fedsynth.assembly import client_seed
 from fedsynth.config import RunConfig
 from fedsynth.errors import ConfigError, DataError, WireError
+from fedsynth.wire.server_check import check_servers
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,9 @@ def synthesize(
     replicas = GeneratorReplicas.connect(options.generator, options.credentials, key="--generator")  # 1 or more
     try:
         info = replicas.info(timeout_s=60.0)
+        if options.revoked is not None and options.tls_files is not None:
+            for address in replicas.addresses:
+                check_servers(address, options.tls_files, options.revoked, what="generator", timeout_s=60.0)
         if info.num_classes != num_classes:
             raise ConfigError(f"the generator at {options.generator} serves {info.num_classes} classes; this run has {num_classes}")
         seed = client_seed(cfg, client_id, "generation")

@@ -2,8 +2,9 @@
 one connection per transfer; the protocol and why are in fedsynth/wire/data_plane.py.
 
 Every check of the gRPC path holds: an update goes through Federation.accept_update (the open round, the receive slot,
-the digest, keys, shapes, dtypes, finiteness) and a refusal carries the status code gRPC would give. Each connection
-has a deadline per read (the run's heartbeat timeout) and the workers are a bounded pool.
+the digest, keys, shapes, dtypes, finiteness) and a refusal carries the status code gRPC would give. A connection
+reaches a worker (a bounded pool) only once its TLS handshake and request header are whole, within a second
+(coordinator.data_plane_admission); from then on each read has a deadline (the run's heartbeat timeout).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import grpc
 import torch
 
+from coordinator.data_plane_admission import Admission, Request
 from coordinator.federation import Federation
 from coordinator.receive_slots import SLOTTED_UPLOAD_BYTES, ReceiveSlots, UploadCancelled
 from coordinator.updates import header_fields
@@ -28,8 +30,8 @@ from fedsynth.wire.tls import AuthenticationError, RevocationList, identity_of_d
 from fedsynth.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger(__name__)
-ACCEPT_POLL_S = 0.25  # how soon the listener notices stop()
-MAX_TRANSFERS = 32  # connections served at once; more wait in the backlog (uploads are also held to the receive slots)
+ACCEPT_POLL_S = 0.25  # how soon the admission loop notices stop()
+MAX_TRANSFERS = 32  # admitted requests served at once; more wait their turn (uploads are also held to the receive slots)
 
 
 class DataPlaneServer:
@@ -43,11 +45,13 @@ class DataPlaneServer:
         self.stall_s = federation.cfg.runtime.heartbeat_timeout_s
         self.listener = socket.create_server((host, port), family=socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0],
                                              backlog=128)
-        self.listener.settimeout(ACCEPT_POLL_S)
         self.port: int = self.listener.getsockname()[1]
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(MAX_TRANSFERS, thread_name_prefix="data-plane")
-        self._thread = threading.Thread(target=self._accept_loop, name="data-plane-accept", daemon=True)
+        closed = federation.metrics.data_plane_closed
+        self.admission = Admission(self.listener, lambda request: self._pool.submit(self._serve, request), tls=tls,
+                                   closed=lambda reason: closed.labels(reason=reason).inc())
+        self._thread = threading.Thread(target=self.admission.run, args=(self._stop,), name="data-plane-admission", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -60,40 +64,22 @@ class DataPlaneServer:
         self.listener.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, peer = self.listener.accept()
-            except TimeoutError:
-                continue
-            except OSError as exc:  # e.g. out of file descriptors: the next accept may work
-                if self._stop.is_set():
-                    return
-                log.warning("data plane: accept failed: %s", exc)
-                self._stop.wait(ACCEPT_POLL_S)
-                continue
-            self._pool.submit(self._serve, conn, peer)
-
     # ---- one connection ------------------------------------------------------------------------------------------
 
-    def _serve(self, raw: socket.socket, peer: Any) -> None:
+    def _serve(self, request: Request) -> None:
         try:
-            with raw:  # closed however the transfer ends, a failed handshake included
-                raw.settimeout(self.stall_s)
-                raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                conn = raw if self.tls is None else self.tls.wrap_socket(raw, server_side=True)
-                with conn:
-                    self._answer(conn)
+            with request.conn as conn:  # closed however the transfer ends
+                conn.settimeout(self.stall_s)
+                self._answer(conn, request)
         except (OSError, ssl.SSLError, WireError) as exc:  # the peer vanished, stalled or spoke garbage mid-transfer
-            log.warning("data plane: transfer with %s broke off: %s", peer, exc)
+            log.warning("data plane: transfer with %s broke off: %s", request.peer, exc)
         except Exception:  # a bug: log it, never take the listener down with it
-            log.exception("data plane: transfer with %s failed", peer)
+            log.exception("data plane: transfer with %s failed", request.peer)
 
-    def _answer(self, conn: socket.socket) -> None:
-        op = None
+    def _answer(self, conn: socket.socket, request: Request) -> None:
+        op, ticket, header = request.op, request.ticket, request.header
         try:
             caller = self._caller(conn)
-            op, ticket, header = wire.read_request(conn)
             if op == wire.FETCH:
                 self._fetch(conn, ticket, caller)
             else:

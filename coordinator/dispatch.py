@@ -1,4 +1,4 @@
-"""What travels down a client's dispatch stream: a round's task, or the end of the run."""
+"""What travels down a client's dispatch stream: a round's task, an evaluation task, or the end of the run."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ class TaskDelivery:
     quota: list[int]
     payload: PreparedPayload  # chunk messages serialized once per round, shared by every client
     ticket: bytes = b""  # the data plane's: the client fetches the payload (and submits its update) with it
+    evaluate: bool = False  # federated evaluation: test the payload's model locally and send counts, no training
 
     @property
     def meta(self) -> codec.PayloadMeta:

@@ -29,14 +29,18 @@ from coordinator.registry import ClientRegistry
 from coordinator.rounds import RoundInProgress
 from coordinator.round_driver import RoundDriver
 from coordinator.run_state import RunState
+from coordinator.schema_check import Schema, SchemaRefused, check_schema
 from coordinator.sdafl_server import SdaflServer
-from coordinator.updates import decode_update, local_state
+from coordinator.update_norms import update_norm
+from coordinator.updates import ReceivedUpdate, decode_update, local_state
 from fedsynth.wire import wire_dtype
 from fedsynth.algorithms.fedgen import FedGen, head_keys
 from fedsynth.assembly import algorithm_for, model_for
 from fedsynth.config import RunConfig
 from fedsynth.learning.data import load_dataset
+from fedsynth.learning.label_schema import schema_of
 from fedsynth.errors import StateError
+from fedsynth.learning.evaluation import EvaluationCounts
 from fedsynth.learning.training import TrainData, images_to_tensor
 from fedsynth.wire.transfer import PreparedPayload
 
@@ -50,26 +54,32 @@ class Federation:
         self.metrics = metrics
         self.run_id = cfg.fingerprint()
         algorithm = algorithm_for(cfg)
-        test = load_dataset(cfg.data.dataset, "test", data_dir=cfg.data.data_dir, download=cfg.data.download)
-        test_data = TrainData(images_to_tensor(test.x), torch.as_tensor(test.y))
-        channels, height, _ = test.image_shape
+        schema = schema_of(cfg.data)
+        test_data: TrainData | None = None  # local mode: the coordinator holds no data, so no server evaluation
+        if cfg.data.source == "local" and schema is not None:
+            num_classes, (channels, height, width) = len(schema.classes), (schema.channels, schema.image_size, schema.image_size)
+        else:
+            test = load_dataset(cfg.data.dataset, "test", data_dir=cfg.data.data_dir, download=cfg.data.download)
+            test_data = TrainData(images_to_tensor(test.x), torch.as_tensor(test.y))
+            num_classes, (channels, height, width) = test.num_classes, test.image_shape
+        self.schema = Schema(schema.digest() if schema is not None else "", channels, height)
         torch.manual_seed(cfg.seed)
-        model = model_for(cfg, num_classes=test.num_classes, in_channels=channels, image_size=height)
+        model = model_for(cfg, num_classes=num_classes, in_channels=channels, image_size=height)
         if cfg.train.algorithm == "ddpm" and cfg.federate.init is not None:  # a warm start: round 1 begins from it
             from fedsynth.learning.unet import load_initial_weights
 
             load_initial_weights(model, Path(cfg.federate.init))
         self.state = RunState(model, algorithm, run_id=self.run_id, seed=cfg.seed)
         self.update_layout = wire_dtype.expected_layout(self.state.layout, cfg.runtime.wire_dtype)
-        self.sdafl = SdaflServer(cfg, test.image_shape, test.num_classes) if cfg.train.algorithm == "sdafl" else None
+        self.sdafl = SdaflServer(cfg, (channels, height, width), num_classes) if cfg.train.algorithm == "sdafl" else None
         self.mean_pool = None  # FedMix / NaiveMix: the clients' pooled mean data
         if cfg.train.algorithm in ("fedmix", "naivemix"):
-            self.mean_pool = MeanDataPool(image_shape_hwc=(height, test.image_shape[2], channels), num_classes=test.num_classes,
+            self.mean_pool = MeanDataPool(image_shape_hwc=(height, width, channels), num_classes=num_classes,
                                           mean_batch=getattr(algorithm, "mean_batch"), run_id=self.run_id)
         self.fedgen = FedGenServer(algorithm, seed=cfg.seed) if isinstance(algorithm, FedGen) else None
         self.lock = threading.Condition()
         self.registry = ClientRegistry(self.lock, metrics, run_id=self.run_id, num_clients=cfg.data.clients,
-                                       num_classes=test.num_classes)
+                                       num_classes=num_classes, max_samples=cfg.data.max_samples_per_client)
         self.progress = ProgressFeed(self.lock)
         self.driver = RoundDriver(cfg, out_dir=out_dir, lock=self.lock, registry=self.registry, state=self.state,
                                   algorithm=algorithm, sdafl=self.sdafl, metrics=metrics, progress=self.progress,
@@ -106,8 +116,17 @@ class Federation:
 
     def register(
         self, client_id: int, num_samples: int, fedeas_images: int, missing: Iterable[int], run_id: str, synthetic_digest: str = "",
-        label_counts: Iterable[int] = (),
+        label_counts: Iterable[int] = (), schema: Schema | None = None, unknown_classes: tuple[str, ...] = (),
+        node_token: str = "",
     ) -> str:
+        if schema is not None:
+            try:
+                check_schema(client_id, self.schema, schema, unknown_classes)  # first: refused, never admitted
+            except SchemaRefused:
+                with self.lock:
+                    self.registry.refused.add(client_id)  # the registration wait stops waiting for it
+                    self.lock.notify_all()
+                raise
         shared = self.sdafl or self.mean_pool  # the set sent once to each client (SDA-FL's images, FedMix's means)
         return self.registry.register(
             client_id, num_samples, fedeas_images, missing, run_id,
@@ -115,6 +134,7 @@ class Federation:
             has_synthetic=lambda digest: shared is not None and bool(digest) and digest == shared.digest(),
             synthetic_digest=synthetic_digest,
             label_counts=label_counts, need_label_counts=self.fedgen is not None,
+            node_token=node_token, live_within_s=self.cfg.runtime.heartbeat_timeout_s,
         )
 
     def open_stream(self, client_id: int, session: str) -> queue.Queue[Any]:
@@ -123,6 +143,8 @@ class Federation:
             rnd = self.driver.current
             if rnd is not None and rnd.awaits(client_id):
                 outbox.put(self.driver.delivery(rnd, client_id))  # a client that rejoins mid-round gets its task again
+            if self.driver.federated is not None:
+                self.driver.federated.redeliver(client_id, outbox)
             return outbox
 
     def close_stream(self, client_id: int, outbox: queue.Queue[Any]) -> None:
@@ -169,6 +191,12 @@ class Federation:
     def unwatch(self, q: queue.Queue[dict[str, Any]]) -> None:
         self.progress.unwatch(q)
 
+    def accept_evaluation(self, client_id: int, session: str, round_number: int, task_id: str, counts: EvaluationCounts) -> None:
+        """Federated evaluation: one client's counts on its local test set."""
+        if self.driver.federated is None:
+            raise StateError(f"this run's train.evaluation is {self.cfg.train.evaluation!r}: the clients do not evaluate")
+        self.driver.federated.accept(client_id, session, round_number, task_id, counts)
+
     # ---- updates -----------------------------------------------------------------------------
 
     def accept_synthetic(self, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]]) -> int:
@@ -178,6 +206,14 @@ class Federation:
         with self.lock:
             self.registry.record(header["client_id"], header["session"])
         return self.sdafl.accept_upload(header["client_id"], header, chunks)
+
+    def report_setup_failure(self, client_id: int, session: str, reason: str) -> None:
+        """SDA-FL: a registered client's DP-GAN failed; it will upload nothing, so the upload wait stops counting on it."""
+        if self.sdafl is None:
+            raise StateError(f"this run's algorithm is {self.cfg.train.algorithm!r}; setup failures are SDA-FL's DP-GAN's")
+        with self.lock:
+            self.registry.record(client_id, session)
+        self.sdafl.fail(client_id, reason)
 
     def accept_mean_data(self, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]]) -> int:
         """FedMix / NaiveMix: validate and pool one client's mean data (once per client, before round 1)."""
@@ -204,17 +240,32 @@ class Federation:
                 raise StateError(f"client {client_id} was not sampled in round {rnd.number} or already answered")
             # read under the lock: a round that closes meanwhile lets go of its payload and global state
             max_bytes, global_state = 2 * rnd.payload.meta.total_bytes + (1 << 20), rnd.global_state
+        bound = self.driver.norm_bound
         with receiving():
             log.info("round %d: receiving client %d's update (%d bytes)", rnd.number, client_id, header["total_bytes"])
             update = decode_update(receive(max_bytes), layout=self.update_layout, client_id=client_id, wire=self.cfg.runtime.wire_dtype)
+            norm = update_norm(update.state, update.extra, global_state, deltas=update.deltas) if bound.enabled else None
             labels = self._pseudo_labels(client_id, local_state(update, global_state)) if self.sdafl is not None else None
+            fold = self._folder(rnd, client_id, update, float(record.num_samples), labels, global_state)
             with self.lock:
                 if self.driver.current is not rnd or not rnd.awaits(client_id):
                     raise StateError(f"round {rnd.number} closed before client {client_id}'s update was complete")
+                if header["generation"] and record.generation is None:
+                    record.generation = header["generation"]
                 started = time.monotonic()
-                rnd.aggregator.add(update.state, update.extra, float(record.num_samples), layout_checked=True, deltas=update.deltas)
-                if self.fedgen is not None:
-                    self.fedgen.keep_head(rnd.number, client_id, local_state(update, global_state, head_keys(update.state)))
+                if norm is None:
+                    fold(1.0)
+                else:
+                    rnd.norms[client_id] = norm
+                    if bound.auto:  # judged when the round closes, against the median of the round's norms
+                        rnd.held[client_id] = fold
+                    else:
+                        verdict = bound.verdict(norm, bound.bound())
+                        self.driver.record_verdict(rnd, client_id, verdict)
+                        if verdict.scale == 0:
+                            self.lock.notify_all()  # the round may be complete now
+                            raise StateError(verdict.describe(client_id, rnd.number))
+                        fold(verdict.scale)
                 rnd.aggregation_s += time.monotonic() - started
                 rnd.answered[client_id] = {
                     "train_seconds": header["train_seconds"],
@@ -222,16 +273,26 @@ class Federation:
                     "generation_seconds": header["generation"].get("wall_seconds", 0.0) if header["generation"] else 0.0,
                 }
                 rnd.bytes_received += update.num_bytes
-                if labels is not None and self.sdafl is not None:
-                    self.sdafl.commit_labels(client_id, labels)
-                if header["generation"] and record.generation is None:
-                    record.generation = header["generation"]
                 if rnd.complete:  # the round loop waits for nothing else from updates (it checks deadlines on its own)
                     self.lock.notify_all()
             num_bytes = update.num_bytes
-            del update, labels  # the received buffer goes before the slot does
+            del update, labels, fold  # the received buffer goes before the slot does (unless the round holds it)
         self.metrics.bytes_received.inc(num_bytes)
-        log.info("round %d: update from client %d accepted", rnd.number, client_id)
+        log.info("round %d: update from client %d %s", rnd.number, client_id, "held" if client_id in rnd.held else "accepted")
+
+    def _folder(self, rnd: RoundInProgress, client_id: int, update: ReceivedUpdate, weight: float, labels: np.ndarray | None,
+                global_state: dict[str, torch.Tensor]) -> Callable[[float], None]:
+        """Folds the update into the round's running sum at a scale (1: as sent; below 1: clipped). A clipped update's
+        model is not the one its client trained: its FedGen head and its SDA-FL pseudo-labels are left out."""
+
+        def fold(scale: float) -> None:
+            rnd.aggregator.add(update.state, update.extra, weight, layout_checked=True, deltas=update.deltas, scale=scale)
+            if scale == 1 and self.fedgen is not None:
+                self.fedgen.keep_head(rnd.number, client_id, local_state(update, global_state, head_keys(update.state)))
+            if scale == 1 and labels is not None and self.sdafl is not None:
+                self.sdafl.commit_labels(client_id, labels)
+
+        return fold
 
     def _pseudo_labels(self, client_id: int, state: dict[str, torch.Tensor]) -> np.ndarray:
         """Label this client's synthetic samples with its NEW local model (the caller has validated `state`)."""

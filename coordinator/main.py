@@ -16,6 +16,7 @@ from fedsynth.process import allocator, lifetime
 from fedsynth.wire import grpcutil, tls
 from fedsynth.config import load_config
 from fedsynth.errors import ConfigError, QuorumError
+from fedsynth.process.provenance import provenance
 from fedsynth.process.metrics import add_metrics_arguments, linger_for_final_scrape, serve_metrics_from_args
 from fedsynth.learning.partition import check_partition
 from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_INTERNAL, EXIT_OK, setup_logging, write_atomic, write_json
@@ -44,9 +45,15 @@ def run(args: argparse.Namespace) -> int:
     security = tls.ServerSecurity.from_args(args, "coordinator")
     security.credentials()  # read and checked before anything else starts
     cfg = load_config(args.config, args.set)
-    check_partition(cfg)  # an impossible split fails here, in seconds, before the server binds
+    if cfg.data.source == "split":  # local mode: the clients hold their own data, nothing to split
+        check_partition(cfg)  # an impossible split fails here, in seconds, before the server binds
     torch.set_num_threads(cfg.runtime.torch_threads)
     out_dir = Path(args.out_dir or cfg.out_dir)
+    version = provenance()  # the code that plays this run, read before it starts (a checkout may change meanwhile)
+    git = version["git"]
+    log.info("fedsynth %s (%s), torch %s, grpcio %s", version["fedsynth"],
+             "not a git checkout" if git is None else f"commit {git['commit'][:12]}{' dirty' if git['dirty'] else ''}",
+             version["packages"]["torch"], version["packages"]["grpcio"])
     host = security.bind_host(args.host, cfg.runtime.host)
     port = cfg.runtime.coordinator_port if args.port is None else args.port
     metrics_server = serve_metrics_from_args(args, security.files, security.revoked)
@@ -90,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         out_dir / "coordinator.json",
         {
             "run_id": federation.run_id,
+            "version": version,
             "config": cfg.to_dict(),
             "initial": federation.initial,
             "rounds": federation.history,

@@ -12,7 +12,6 @@ import hashlib
 import json
 import logging
 import threading
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from coordinator.shared_uploads import await_uploads
 from fedsynth.wire import codec
-from fedsynth.errors import QuorumError, StateError, WireError
+from fedsynth.errors import StateError, WireError
 from fedsynth.process.runtime import write_atomic
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class MeanDataPool:
     def accept(self, client_id: int, num_samples: int, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]]) -> int:
         with self._lock:
             self.check_header(client_id, num_samples, header)
-        meta = codec.PayloadMeta(header["total_bytes"], header["sha256"], header["num_chunks"])
+        meta = codec.PayloadMeta(header["total_bytes"], header["sha256"], header["num_chunks"], header.get("xxh3_128", b""))
         data = codec.assemble(meta, chunks, max_bytes=self.max_bytes(header["count"]))
         images, labels = self.parse(header, data)
         with self._lock:
@@ -115,14 +115,10 @@ class MeanDataPool:
 
     def await_uploads(self, registered: list[int], *, timeout_s: float, need: int) -> None:
         """Wait (bounded) for every registered client's upload, then close the pool for the rest of the run."""
-        stop_at = time.monotonic() + timeout_s
         with self._lock:
             if self.closed:
                 return
-            while not set(registered) <= set(self.uploads) and time.monotonic() < stop_at:
-                self._lock.wait(timeout=0.5)
-            if len(self.uploads) < need:
-                raise QuorumError(f"only {len(self.uploads)} of {len(registered)} clients uploaded mean data within {timeout_s:.0f}s")
+            await_uploads(self._lock, lambda: self.uploads, registered, timeout_s=timeout_s, need=need, what="mean data")
             self.closed = True
         log.info("mean-data pool closed: %d means from %d clients", sum(len(y) for _, y in self.uploads.values()), len(self.uploads))
 

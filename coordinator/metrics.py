@@ -1,4 +1,4 @@
-"""Prometheus metrics of the coordinator: rounds, phases, bytes, clients, global accuracy and loss."""
+"""Prometheus metrics of the coordinator: rounds, phases, bytes, clients, global accuracy and loss, federated accuracy."""
 
 from __future__ import annotations
 
@@ -28,6 +28,22 @@ class CoordinatorMetrics:
         self.rejected_updates = Counter(
             "fedsynth_coordinator_rejected_updates_total", "Updates refused, by gRPC status code", ["code"], **kw
         )
+        self.update_norm_exceeded = Counter(
+            "fedsynth_coordinator_update_norm_exceeded_total",
+            "Updates whose L2 norm exceeded runtime.max_update_norm, by what became of them (clipped, refused)", ["action"], **kw
+        )
+        self.update_norm_bound = Gauge(
+            "fedsynth_coordinator_update_norm_bound", "The bound on an update's L2 norm in the last round (runtime.max_update_norm)", **kw
+        )
+        self.rejected_registrations = Counter(
+            "fedsynth_coordinator_rejected_registrations_total", "Registrations refused, by reason (max_samples_per_client)",
+            ["reason"], **kw
+        )
+        self.data_plane_closed = Counter(
+            "fedsynth_coordinator_data_plane_closed_connections_total",
+            "Data-plane connections closed before their request was whole: 'deadline' (no TLS handshake and request header "
+            "within a second), 'over_cap' (too many from one address at once)", ["reason"], **kw
+        )
         self.clients_registered = Gauge("fedsynth_coordinator_clients_registered", "Clients registered", **kw)
         self.clients_connected = Gauge("fedsynth_coordinator_clients_connected", "Clients with an open dispatch stream", **kw)
         self.clients_dropped = Counter(
@@ -45,6 +61,16 @@ class CoordinatorMetrics:
         self.dp_noise_multiplier = Gauge("fedsynth_coordinator_dp_noise_multiplier", "sigma: noise std / clipping bound", **kw)
         self.dp_clip = Gauge("fedsynth_coordinator_dp_clip_norm", "S: the L2 bound of an update (user) or a gradient (sample)", **kw)
         self.dp_sample_rate = Gauge("fedsynth_coordinator_dp_sample_rate", "q: clients per round / K (user) or batch / N_k (sample)", **kw)
+        self.federated_accuracy = Gauge(
+            "fedsynth_coordinator_federated_accuracy",
+            "Federated evaluation of the last evaluated round, over the sampled clients' local test sets: weighted "
+            "(by test examples), mean (unweighted over clients), worst (lowest client), p10 (10th percentile of clients)",
+            ["statistic"],
+            **kw,
+        )
+        self.federated_clients = Gauge(
+            "fedsynth_coordinator_federated_clients_evaluated", "Clients whose counts entered the last federated evaluation", **kw
+        )
 
     def observe_round(self, summary: dict[str, Any]) -> None:
         self.rounds_completed.inc()
@@ -52,11 +78,18 @@ class CoordinatorMetrics:
         for phase, seconds in summary["phases_s"].items():
             self.phase_duration.labels(phase=phase).observe(seconds)
         self.clients_participating.set(len(summary["participants"]))
-        self.accuracy.set(summary["accuracy"])
-        self.loss.set(summary["loss"])
+        if summary["accuracy"] is not None:  # None: no test this round (federated evaluation off its eval_every, or local mode)
+            self.accuracy.set(summary["accuracy"])
+            self.loss.set(summary["loss"])
         self.current_round.set(summary["round"])
         privacy = summary.get("privacy") or {}
         if privacy.get("epsilon") is not None:
             for gauge, key in ((self.dp_epsilon, "epsilon"), (self.dp_delta, "delta"), (self.dp_noise_multiplier, "noise_multiplier"),
                                (self.dp_clip, "clip"), (self.dp_sample_rate, "sample_rate")):
                 gauge.set(privacy[key])
+        figures = summary.get("federated_evaluation")
+        if figures is not None:
+            self.federated_clients.set(figures["clients"])
+            for statistic in ("weighted", "mean", "worst", "p10"):
+                if figures[f"{statistic}_accuracy"] is not None:
+                    self.federated_accuracy.labels(statistic=statistic).set(figures[f"{statistic}_accuracy"])

@@ -30,24 +30,29 @@ class ClientRecord:
     has_synthetic: bool = False  # SDA-FL: holds the current shared synthetic images
     label_counts: tuple[int, ...] = ()  # FedGen: n_k^c per class, reported once at registration
     last_heartbeat: float | None = None  # monotonic time of its last Heartbeat RPC; None: it has sent none yet
+    node_token: str = ""  # the client-node process's random token (RegisterRequest.node_token)
+    registered_at: float = 0.0  # monotonic time of this registration
 
 
 class ClientRegistry:
     """Every method takes the federation's lock itself (a reentrant Condition, so callers may already hold it)."""
 
     def __init__(self, lock: threading.Condition, metrics: CoordinatorMetrics, *, run_id: str, num_clients: int,
-                 num_classes: int) -> None:
+                 num_classes: int, max_samples: int = 0) -> None:
         self.lock = lock
         self.metrics = metrics
         self.run_id = run_id
         self.num_clients = num_clients
         self.num_classes = num_classes
+        self.max_samples = max_samples  # data.max_samples_per_client: the largest N_k (aggregation weight) admitted; 0 = any
         self.clients: dict[int, ClientRecord] = {}
+        self.refused: set[int] = set()  # clients whose data does not fit the run (schema check): not waited for
         self.finished: Finished | None = None
 
     def register(self, client_id: int, num_samples: int, fedeas_images: int, missing: Iterable[int], run_id: str, *,
                  data_fixed: bool, has_synthetic: Callable[[str], bool], synthetic_digest: str = "",
-                 label_counts: Iterable[int] = (), need_label_counts: bool = False) -> str:
+                 label_counts: Iterable[int] = (), need_label_counts: bool = False, node_token: str = "",
+                 live_within_s: float = 0.0) -> str:
         """Admit (or re-admit) a client; once the budget is fixed (data_fixed) it must report the same data.
         With need_label_counts (FedGen) it must report C label counts summing to num_samples, and the same ones again."""
         if run_id != self.run_id:
@@ -56,6 +61,11 @@ class ClientRegistry:
             raise WireError(f"client_id {client_id} is out of range 0..{self.num_clients - 1}")
         if num_samples < 1:
             raise WireError(f"client {client_id} reported num_samples={num_samples}; must be >= 1")
+        if self.max_samples and num_samples > self.max_samples:
+            self.metrics.rejected_registrations.labels(reason="max_samples_per_client").inc()
+            log.warning("client %d refused: N_k=%d above data.max_samples_per_client=%d", client_id, num_samples, self.max_samples)
+            raise StateError(f"client {client_id} registered N_k={num_samples} samples, above data.max_samples_per_client="
+                             f"{self.max_samples}: refused")
         missing = tuple(sorted(set(missing)))
         if any(c >= self.num_classes for c in missing):
             raise WireError(f"client {client_id} reported missing class ids {missing} outside 0..{self.num_classes - 1}")
@@ -66,6 +76,14 @@ class ClientRegistry:
             raise WireError(f"client {client_id}'s label counts sum to {sum(counts)}, but it reported num_samples={num_samples}")
         with self.lock:
             old = self.clients.get(client_id)
+            if old and node_token and old.node_token and node_token != old.node_token:
+                last_seen = max(old.registered_at, old.last_heartbeat or 0.0)
+                if time.monotonic() - last_seen < live_within_s:
+                    problem = (f"client {client_id}: two nodes claim client id {client_id}: another node holds it and was "
+                               f"heard from {time.monotonic() - last_seen:.1f}s ago (runtime.heartbeat_timeout_s = "
+                               f"{live_within_s:g})")
+                    log.warning("refused %s", problem)
+                    raise StateError(problem)
             if old and old.label_counts and counts != old.label_counts:
                 raise StateError(f"client {client_id} re-registered with label counts {list(counts)}, not {list(old.label_counts)}")
             if old and data_fixed and (old.num_samples, old.fedeas_images, old.missing_classes) != (num_samples, fedeas_images, missing):
@@ -73,6 +91,7 @@ class ClientRegistry:
             record = ClientRecord(client_id, num_samples, fedeas_images, missing, secrets.token_hex(16))
             record.has_synthetic = has_synthetic(synthetic_digest)
             record.label_counts = counts
+            record.node_token, record.registered_at = node_token, time.monotonic()
             if old is not None:
                 record.generation = old.generation
                 self._close_outbox(old)

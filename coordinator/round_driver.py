@@ -20,6 +20,7 @@ import torch
 
 from coordinator import checkpoint
 from coordinator.dispatch import Finished, TaskDelivery
+from coordinator.federated_evaluation import FederatedEvaluator
 from coordinator.fedgen_server import FedGenServer
 from coordinator.mean_pool import MeanDataPool
 from coordinator.metrics import CoordinatorMetrics
@@ -28,6 +29,7 @@ from coordinator.registry import ClientRegistry
 from coordinator.rounds import RoundInProgress, quorum_size, round_phases
 from coordinator.run_state import RunState
 from coordinator.sdafl_server import SdaflServer
+from coordinator.update_norms import NormBound, Verdict
 from fedsynth.wire import codec, data_plane
 from fedsynth.algorithms.base import Algorithm, snapshot_state
 from fedsynth.allocation import assigned_quota
@@ -35,7 +37,7 @@ from fedsynth.assembly import clients_per_round
 from fedsynth.config import RunConfig
 from fedsynth.errors import QuorumError
 from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_INTERNAL, EXIT_OK
-from fedsynth.wire.tensor_buffer import encode_to_buffer
+from fedsynth.wire.tensor_buffer import encode_parts, encode_to_buffer
 from fedsynth.learning.training import TrainData, evaluate
 from fedsynth.wire.transfer import PreparedPayload, prepare
 
@@ -69,7 +71,7 @@ class ClosedRound:
 class RoundDriver:
     def __init__(self, cfg: RunConfig, *, out_dir: Path, lock: threading.Condition, registry: ClientRegistry,
                  state: RunState, algorithm: Algorithm, sdafl: SdaflServer | None, metrics: CoordinatorMetrics,
-                 progress: ProgressFeed, test_data: TrainData, mean_pool: MeanDataPool | None = None,
+                 progress: ProgressFeed, test_data: TrainData | None, mean_pool: MeanDataPool | None = None,
                  fedgen: FedGenServer | None = None) -> None:
         self.cfg = cfg
         self.out_dir = out_dir
@@ -84,6 +86,11 @@ class RoundDriver:
         self.mean_pool = mean_pool
         self.fedgen = fedgen
         self.current: RoundInProgress | None = None
+        # train.evaluation "federated" / "both": the clients test closed rounds on their local test sets (counts only)
+        self.federated = FederatedEvaluator(cfg, lock, registry) if cfg.train.evaluation != "server" else None
+        # No test set on the coordinator (local mode without one): no server evaluation, whatever train.evaluation says
+        self.server_evaluates = cfg.train.evaluation != "federated" and test_data is not None
+        self.norm_bound = NormBound(cfg.runtime)
         # With overlap_evaluation, round r is tested (then checkpointed and published) on this thread while
         # round r+1 already trains: the clients never wait for the coordinator's test pass.
         self._evaluator = ThreadPoolExecutor(1, thread_name_prefix="evaluation") if cfg.runtime.overlap_evaluation else None
@@ -103,28 +110,17 @@ class RoundDriver:
     def run(self) -> None:
         """Play every remaining round; raises QuorumError when the run cannot go on."""
         try:
-            if self.state.completed == 0 and not self.state.initial:
+            if self.state.completed == 0 and not self.state.initial and self.server_evaluates:
                 # here, not before the server binds: ResNet-18 on CIFAR's 10,000 test images takes minutes on a CPU,
                 # while the clients load their data and register
                 loss, acc = self._evaluate(self.state.model)
                 self.state.initial = {"accuracy": acc, "loss": loss}
             self._await_registrations()
+            runtime = self.cfg.runtime
             if self.sdafl is not None:
-                with self.lock:
-                    registered = sorted(self.registry.clients)
-                self.sdafl.await_uploads(
-                    registered,
-                    timeout_s=self.cfg.runtime.registration_timeout_s + self.cfg.runtime.round_timeout_s,
-                    need=quorum_size(self.cfg.data.clients, self.cfg.runtime.quorum),
-                )
+                self._await_uploads(self.sdafl, timeout_s=runtime.registration_timeout_s + runtime.round_timeout_s)
             if self.mean_pool is not None and not self.mean_pool.closed:
-                with self.lock:
-                    registered = sorted(self.registry.clients)
-                self.mean_pool.await_uploads(
-                    registered,
-                    timeout_s=self.cfg.runtime.registration_timeout_s,
-                    need=quorum_size(self.cfg.data.clients, self.cfg.runtime.quorum),
-                )
+                self._await_uploads(self.mean_pool, timeout_s=runtime.registration_timeout_s)
                 self.mean_pool.save(self.out_dir)
             for number in range(self.state.completed + 1, self.cfg.train.rounds + 1):
                 self._play_round(number)
@@ -149,6 +145,12 @@ class RoundDriver:
 
     # ---- before round 1 ------------------------------------------------------------------------
 
+    def _await_uploads(self, pool: SdaflServer | MeanDataPool, *, timeout_s: float) -> None:
+        """Every registered client's one-off upload (a quorum at least), before round 1."""
+        with self.lock:
+            registered = sorted(self.registry.clients)
+        pool.await_uploads(registered, timeout_s=timeout_s, need=quorum_size(self.cfg.data.clients, self.cfg.runtime.quorum))
+
     def _await_registrations(self) -> None:
         """A fresh run waits for all K clients (up to registration_timeout_s). A resumed run goes on once a quorum
         is back and no client has registered for rejoin_grace_s: a client that died with the old coordinator
@@ -160,7 +162,7 @@ class RoundDriver:
         clients = self.registry.clients
         with self.lock:
             seen, last_change = 0, time.monotonic()
-            while len(clients) < k:
+            while len(clients) + len(self.registry.refused - clients.keys()) < k:  # a refused client never comes
                 now = time.monotonic()
                 if len(clients) != seen:
                     seen, last_change = len(clients), now
@@ -205,11 +207,12 @@ class RoundDriver:
             groups["synthetic"] = self.sdafl.task_groups(with_images=with_images)
         if self.mean_pool is not None:
             groups["mean"] = self.mean_pool.task_group(with_data=with_images)
-        buffer = encode_to_buffer(codec.join_prefixed(**groups))
+        tensors = codec.join_prefixed(**groups)
+        parts = encode_parts(tensors)  # the tensors' own memory: framed straight into chunk messages, no encoded copy
         runtime = self.cfg.runtime
-        if runtime.data_plane == "tcp" and buffer.numel() >= runtime.data_plane_min_bytes:
-            return data_plane.prepare(buffer)
-        return prepare(buffer)
+        if runtime.data_plane == "tcp" and sum(part.nbytes for part in parts) >= runtime.data_plane_min_bytes:
+            return data_plane.prepare(encode_to_buffer(tensors))  # kept for the round: a copy the model may not change
+        return prepare(parts)
 
     def _play_round(self, number: int) -> None:
         state = self.state
@@ -241,6 +244,10 @@ class RoundDriver:
         with self.lock:
             self.current = None
         started = time.monotonic()
+        self._settle_held(rnd)
+        if rnd.aggregator.count < rnd.need:  # updates refused for their norm do not count towards the quorum
+            raise QuorumError(f"round {number}: {rnd.aggregator.count} of {len(rnd.sampled)} sampled clients' updates were "
+                              f"aggregated, {len(rnd.refused)} refused by runtime.max_update_norm; quorum is {rnd.need}")
         new_global, state.server_state = rnd.aggregator.finish()
         state.model.load_state_dict(new_global)
         del new_global, global_state, payload
@@ -261,6 +268,35 @@ class RoundDriver:
         else:
             self._next_dispatched = threading.Event()
             self._evaluating = self._evaluator.submit(self._conclude_once_dispatched, closed, self._next_dispatched)
+
+    def record_verdict(self, rnd: RoundInProgress, client_id: int, verdict: Verdict) -> None:
+        """Log, count and note in the round an update past the bound (the caller folds it or refuses it)."""
+        rnd.norm_bound = verdict.bound
+        self.metrics.update_norm_bound.set(verdict.bound)
+        if verdict.action == "accepted":
+            return
+        self.metrics.update_norm_exceeded.labels(action=verdict.action).inc()
+        log.warning("%s", verdict.describe(client_id, rnd.number))
+        if verdict.action == "refused":
+            rnd.refused[client_id] = verdict.describe(client_id, rnd.number)
+        else:
+            rnd.clipped.append(client_id)
+
+    def _settle_held(self, rnd: RoundInProgress) -> None:
+        """runtime.max_update_norm = "auto": judge the round's held updates against factor x the median of their norms,
+        then fold them (in client order: the same sum whatever order they arrived in). The round is no longer current:
+        nothing else touches it."""
+        if not rnd.held:
+            return
+        bound = self.norm_bound.bound([rnd.norms[c] for c in rnd.held])
+        for client_id, fold in sorted(rnd.held.items()):
+            verdict = self.norm_bound.verdict(rnd.norms[client_id], bound)
+            self.record_verdict(rnd, client_id, verdict)
+            if verdict.scale == 0:
+                del rnd.answered[client_id]  # its client was told its update was taken: only the log and metrics say otherwise
+            else:
+                fold(verdict.scale)
+        rnd.held = {}
 
     def wait_for_evaluation(self, timeout_s: float | None) -> None:
         """When the run is ending anyway: let the round under test reach its checkpoint; its errors are only logged."""
@@ -292,8 +328,17 @@ class RoundDriver:
         """Test the round's model, then record, checkpoint and publish the round (rounds conclude in order)."""
         rnd = closed.rnd
         started = time.monotonic()
-        self._eval_model.load_state_dict(closed.saved.global_state, assign=True)  # shares the checkpoint's tensors
-        loss, acc = self._evaluate(self._eval_model)
+        federated = None
+        if self.federated is not None and self.federated.due(rnd.number):  # out first: the clients test while we do
+            federated = self.federated.start(rnd.number, closed.saved.global_state)
+        loss: float | None = None
+        acc: float | None = None
+        if self.server_evaluates:
+            self._eval_model.load_state_dict(closed.saved.global_state, assign=True)  # shares the checkpoint's tensors
+            loss, acc = self._evaluate(self._eval_model)
+        figures = self.federated.collect(federated) if self.federated is not None and federated is not None else None
+        if not self.server_evaluates and figures is not None:  # "federated": the round's accuracy is the clients'
+            loss, acc = figures["loss"], figures["weighted_accuracy"]
         phases = round_phases(rnd, closed.closed_at, time.monotonic() - started)
         summary = {
             "round": rnd.number,
@@ -307,9 +352,18 @@ class RoundDriver:
             "bytes_received": rnd.bytes_received,
             "train_loss": _finite_mean([a["train_loss"] for a in rnd.answered.values()]),
             **closed.sdafl_summary,
+            **({"federated_evaluation": figures} if figures is not None else {}),
         }
         if self.cfg.train.algorithm == "ddpm":  # the federated generator: epsilon so far, and the updates' norms
             summary["privacy"] = self.algorithm.privacy_report(rnd.number, *self.participation(history=[*self.state.history, summary]))  # type: ignore[attr-defined]
+        if self.norm_bound.enabled:
+            summary["update_norms"] = {
+                "bound": rnd.norm_bound,
+                "median": float(np.median(list(rnd.norms.values()))) if rnd.norms else None,
+                "norms": {str(c): n for c, n in sorted(rnd.norms.items())},
+                "clipped": sorted(rnd.clipped),
+                "refused": sorted(rnd.refused),
+            }
         # Only this thread appends to the history, so it may read it unlocked; the round enters the history (and
         # watchers hear of it) only once its checkpoint is on disk, both under the lock so no watcher sees it twice.
         history = [*self.state.history, summary]
@@ -322,7 +376,11 @@ class RoundDriver:
             self.state.history.append(summary)
             self.progress.publish(summary)
         self.metrics.observe_round(summary)
-        log.info("round %d: accuracy %.4f loss %.4f (%d/%d answered)", rnd.number, acc, loss, len(rnd.answered), len(rnd.sampled))
+        log.info("round %d: accuracy %s loss %s (%d/%d answered)", rnd.number, _fmt(acc), _fmt(loss), len(rnd.answered), len(rnd.sampled))
+        if figures is not None:
+            log.info("round %d: federated accuracy %s (weighted), mean %s, worst %s (client %s), p10 %s", rnd.number,
+                     figures["weighted_accuracy"], figures["mean_accuracy"], figures["worst_accuracy"], figures["worst_client"],
+                     figures["p10_accuracy"])
 
     def _evaluate(self, model: torch.nn.Module) -> tuple[float, float]:
         """(loss, accuracy) on the test set; an algorithm with an `evaluate` of its own (the generator's) decides."""
@@ -368,3 +426,7 @@ class RoundDriver:
                             f"have been unreachable for {grace:.0f}s; quorum is {rnd.need} of {len(rnd.sampled)}"
                         )
                 self.lock.wait(timeout=0.25)
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"

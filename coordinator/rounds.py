@@ -6,6 +6,7 @@ import math
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,13 @@ class RoundInProgress:
     global_state: dict[str, torch.Tensor] = field(default_factory=dict)
     payload_with_images: PreparedPayload | None = None  # SDA-FL: the task for clients that lack the shared images
     tickets: dict[bytes, int] = field(default_factory=dict)  # the data plane's ticket -> the client it was issued to
+    # runtime.max_update_norm: each received update's norm, the updates refused for it (client -> why), those clipped,
+    # and (with "auto") the updates held, received but not yet folded, until the round's median is known
+    norms: dict[int, float] = field(default_factory=dict)
+    refused: dict[int, str] = field(default_factory=dict)
+    clipped: list[int] = field(default_factory=list)
+    held: dict[int, Callable[[float], None]] = field(default_factory=dict)  # client -> folds its update at a scale
+    norm_bound: float | None = None  # the bound the round's updates were held to
     # Set once every sampled client has its task (or the round is over): the last round's test pass waits for it
     dispatched: threading.Event = field(default_factory=threading.Event)
     _sampled: frozenset[int] = field(init=False, repr=False)
@@ -49,16 +57,17 @@ class RoundInProgress:
         self.payload_with_images = None
         self.aggregator = Aggregator({})
         self.global_state = {}
+        self.held = {}
         self.dispatched.set()
 
     @property
     def pending(self) -> set[int]:
-        return set(self.sampled) - set(self.answered)
+        return set(self.sampled) - set(self.answered) - set(self.refused)
 
     @property
     def complete(self) -> bool:
-        """Every sampled client answered (answers come only from sampled clients)."""
-        return len(self.answered) >= len(self.sampled)
+        """Every sampled client answered or had its update refused (answers come only from sampled clients)."""
+        return len(self.answered) + len(self.refused) >= len(self.sampled)
 
     def ticket_for(self, client_id: int) -> bytes:
         """This client's data-plane ticket for the round (one per client, issued on its first delivery): a 128-bit
@@ -71,7 +80,7 @@ class RoundInProgress:
 
     def awaits(self, client_id: int) -> bool:
         """This client was sampled and has not answered yet: O(1), called once per update at K = 100 and more."""
-        return client_id in self._sampled and client_id not in self.answered
+        return client_id in self._sampled and client_id not in self.answered and client_id not in self.refused
 
     @property
     def expired(self) -> bool:

@@ -13,14 +13,16 @@ import numpy as np
 import torch
 from torch import nn
 
+from coordinator.shared_uploads import await_uploads
 from coordinator.synthetic_pool import UNLABELLED, SyntheticPool, mixup_finetune
 from fedsynth.wire import codec
 from fedsynth.config import RunConfig
 from fedsynth.learning.data import ArrayDataset, load_dataset
-from fedsynth.errors import QuorumError, WireError
+from fedsynth.errors import StateError, WireError
 
 log = logging.getLogger(__name__)
 REFERENCE_MAX_SAMPLES = 10_000
+MAX_REASON_CHARS = 500  # of a client's failure report, kept for the log
 REFERENCE_TIMEOUT_S = 3600.0  # logistic regression on 10,000 CIFAR images: minutes on a crowded CPU, bounded by max_iter
 
 
@@ -65,10 +67,11 @@ class SdaflServer:
         self.cfg = cfg
         self.pool = SyntheticPool(image_shape=(h, w, c), num_classes=num_classes, max_per_client=cfg.sdafl.samples_per_client, tau=cfg.sdafl.tau)
         self.reference: ReferenceClassifier | None = None
-        if cfg.sdafl.track_agreement:
+        if cfg.sdafl.track_agreement and cfg.data.source == "split":  # local mode: the coordinator holds no data
             train = load_dataset(cfg.data.dataset, "train", data_dir=cfg.data.data_dir, download=cfg.data.download)
             self.reference = ReferenceClassifier(train, cfg.seed)
         self._lock = threading.Condition()
+        self.failed: dict[int, str] = {}  # client id -> why its DP-GAN failed (it will not upload)
 
     # ---- uploads ---------------------------------------------------------------------------------
 
@@ -82,13 +85,14 @@ class SdaflServer:
         expected = header["count"] * int(np.prod(shape))
         if header["total_bytes"] != expected:
             raise WireError(f"synthetic upload announces {header['total_bytes']} bytes; {header['count']} images of {shape} are {expected}")
-        meta = codec.PayloadMeta(header["total_bytes"], header["sha256"], header["num_chunks"])
+        meta = codec.PayloadMeta(header["total_bytes"], header["sha256"], header["num_chunks"], header.get("xxh3_128", b""))
         data = codec.assemble(meta, chunks, max_bytes=expected)
         images = np.frombuffer(data, dtype=np.uint8).reshape(header["count"], *shape).copy()
         privacy = {k: float(header[k]) for k in ("epsilon", "delta", "noise_multiplier", "gan_seconds")}
         with self._lock:
             self.pool.check_header(client_id, header["count"], shape, header["dtype"])  # a concurrent duplicate lost the race
             self.pool.add(client_id, images, privacy)
+            self.failed.pop(client_id, None)  # it failed before, was restarted and made it
             self._lock.notify_all()
         log.info("client %d uploaded %d synthetic samples (epsilon %.2f, delta %.1e)", client_id, len(images), privacy["epsilon"], privacy["delta"])
         return len(images)
@@ -97,13 +101,22 @@ class SdaflServer:
         with self._lock:
             return client_id in self.pool.uploads
 
-    def await_uploads(self, registered: list[int], *, timeout_s: float, need: int) -> None:
-        stop_at = time.monotonic() + timeout_s
+    def fail(self, client_id: int, reason: str) -> None:
+        """The client's DP-GAN failed (its own report): the upload wait no longer waits for it."""
+        reason = " ".join(reason.split())[:MAX_REASON_CHARS] or "no reason given"
         with self._lock:
-            while len(self.pool.uploads) < len(registered) and time.monotonic() < stop_at:
-                self._lock.wait(timeout=0.5)
-            if len(self.pool.uploads) < need:
-                raise QuorumError(f"only {len(self.pool.uploads)} of {len(registered)} clients uploaded synthetic samples within {timeout_s:.0f}s")
+            if client_id in self.pool.uploads:
+                raise StateError(f"client {client_id} already uploaded its synthetic samples")
+            self.failed[client_id] = reason
+            self._lock.notify_all()
+        log.warning("client %d will upload no synthetic samples: %s", client_id, reason)
+
+    def await_uploads(self, registered: list[int], *, timeout_s: float, need: int) -> None:
+        """Until every registered client uploaded or reported its DP-GAN failed (at most timeout_s); QuorumError,
+        naming the failures, when fewer than `need` uploaded."""
+        with self._lock:
+            await_uploads(self._lock, lambda: self.pool.uploads, registered, timeout_s=timeout_s, need=need,
+                          what="synthetic samples", failed=lambda: self.failed)
 
     # ---- per round -------------------------------------------------------------------------------
 

@@ -16,7 +16,8 @@ from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
 from fedsynth.wire import grpcutil, tls
 from fedsynth.config import RunConfig
 from fedsynth.wire.strict_decoding import add_strictly
-from fedsynth.v1 import coordinator_pb2_grpc
+from fedsynth.wire.raw_messages import parsing_chunks
+from fedsynth.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 # With mutual TLS, the client id each of these RPCs claims must be the caller's certificate's (else PERMISSION_DENIED).
 CLAIMED_CLIENT_ID: dict[str, tls.ClaimedClientId] = {
@@ -26,6 +27,8 @@ CLAIMED_CLIENT_ID: dict[str, tls.ClaimedClientId] = {
     "SubmitUpdate": lambda first: first.header.client_id if first.WhichOneof("kind") == "header" else None,
     "UploadSynthetic": lambda first: first.header.client_id if first.WhichOneof("kind") == "header" else None,
     "UploadMeanData": lambda first: first.header.client_id if first.WhichOneof("kind") == "header" else None,
+    "ReportSetupFailure": lambda request: request.client_id,
+    "SubmitEvaluation": lambda request: request.client_id,
 }
 
 # Flow control for uploads: each SubmitUpdate stream may have at most this many unread bytes buffered in gRPC. A stream
@@ -78,7 +81,8 @@ def create_server(
     # A dispatch stream holds a worker thread per connected client; leave room for uploads and health checks.
     server = grpcutil.make_server(max_workers=max(16, 2 * cfg.data.clients + 8), extra_options=UPLOAD_FLOW_CONTROL_OPTIONS)
     servicer = CoordinatorServicer(federation, cfg.runtime.heartbeat_s)
-    add_strictly(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, security.guard(servicer, CLAIMED_CLIENT_ID), server)
+    add_strictly(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, security.guard(servicer, CLAIMED_CLIENT_ID), server,
+                 parsers={"SubmitUpdate": parsing_chunks(coordinator_pb2.UpdateChunk.FromString)})  # chunks as views: no copies
     data_plane = None
     if cfg.runtime.data_plane == "tcp":  # shares the receive slots: at most two large updates in memory, whichever path
         data_plane = DataPlaneServer(federation, servicer.receive_slots, host=host, port=data_port, revoked=security.revoked,

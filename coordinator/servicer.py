@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import time
 from collections.abc import Iterator
@@ -17,7 +18,9 @@ from coordinator.federation import Federation
 from coordinator.receive_slots import SLOTTED_UPLOAD_BYTES, UPLOAD_SLOTS, ReceiveSlots, UploadCancelled
 from coordinator.updates import header_fields
 from fedsynth.wire import codec
+from coordinator.schema_check import Schema
 from fedsynth.errors import StateError, WireError
+from fedsynth.learning.evaluation import EvaluationCounts
 from fedsynth.wire.raw_messages import task_message
 from fedsynth.wire.transfer import receive_inline, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
@@ -50,13 +53,15 @@ def _receive_update(meta: codec.PayloadMeta, inline: bytes, chunks: Iterator[tup
 
 
 def _payload_fields(header: Any) -> dict[str, Any]:
-    return {"total_bytes": header.payload.total_bytes, "sha256": header.payload.sha256, "num_chunks": header.payload.num_chunks}
+    return {"total_bytes": header.payload.total_bytes, "sha256": header.payload.sha256, "num_chunks": header.payload.num_chunks,
+            "xxh3_128": header.payload.xxh3_128}
 
 
 def _task_messages(item: TaskDelivery) -> Iterator[pb.ServerMessage | bytes]:
-    meta = pb.Payload(total_bytes=item.meta.total_bytes, sha256=item.meta.sha256, num_chunks=item.meta.num_chunks)
+    meta = pb.Payload(total_bytes=item.meta.total_bytes, sha256=item.meta.sha256, num_chunks=item.meta.num_chunks,
+                      xxh3_128=item.meta.xxh3_128)
     task = pb.Task(round=item.round, task_id=item.task_id, deadline_s=item.deadline_s, generation_quota=item.quota, payload=meta,
-                   data_ticket=item.ticket)
+                   data_ticket=item.ticket, evaluate=item.evaluate)
     yield task_message(task.SerializeToString(), item.payload.inline)
     yield from item.payload.messages  # none for the data plane or inline; serialized once per round, passed as bytes
 
@@ -85,6 +90,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 request.run_id,
                 request.synthetic_digest,
                 request.label_counts,
+                schema=Schema(request.schema_digest, request.image_channels, request.image_size),
+                unknown_classes=tuple(request.unknown_classes),
+                node_token=request.node_token,
             )
         except (WireError, StateError) as exc:
             _abort_for(context, exc)
@@ -130,7 +138,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             h = _first_header(request_iterator, "an update stream must start with an UpdateHeader")
             header = header_fields(h)
             large = header["total_bytes"] >= SLOTTED_UPLOAD_BYTES
-            meta = codec.PayloadMeta(header["total_bytes"], header["sha256"], header["num_chunks"])
+            meta = codec.PayloadMeta(header["total_bytes"], header["sha256"], header["num_chunks"], header["xxh3_128"])
             chunks = self._chunks(request_iterator)
             self.federation.accept_update(
                 header, lambda max_bytes: _receive_update(meta, h.inline_payload, chunks, max_bytes),
@@ -206,6 +214,26 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             _abort_for(context, exc)
         return pb.UploadReply(stored=stored)
 
+    def SubmitEvaluation(self, request: pb.EvaluationResult, context: grpc.ServicerContext) -> pb.SubmitReply:
+        try:
+            try:
+                counts = EvaluationCounts(request.examples, request.correct, request.loss_sum, tuple(request.class_correct),
+                                          tuple(request.class_total))
+            except ValueError as exc:
+                raise WireError(f"client {request.client_id}'s evaluation of round {request.round}: {exc}") from exc
+            self.federation.accept_evaluation(request.client_id, request.session, request.round, request.task_id, counts)
+        except (WireError, StateError) as exc:
+            log.warning("evaluation rejected: %s", exc)
+            _abort_for(context, exc)
+        return pb.SubmitReply(accepted=True)
+
+    def ReportSetupFailure(self, request: pb.SetupFailure, context: grpc.ServicerContext) -> pb.SetupFailureReply:
+        try:
+            self.federation.report_setup_failure(request.client_id, request.session, request.reason)
+        except (WireError, StateError) as exc:
+            _abort_for(context, exc)
+        return pb.SetupFailureReply()
+
     def WatchRounds(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.RoundSummary]:
         q = self.federation.watch()
         context.add_callback(lambda: self.federation.unwatch(q))
@@ -222,8 +250,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             yield pb.RoundSummary(
                 round=item["round"],
                 total_rounds=total,
-                accuracy=item["accuracy"],
-                loss=item["loss"],
+                accuracy=float("nan") if item["accuracy"] is None else item["accuracy"],  # a round nobody tested
+                loss=float("nan") if item["loss"] is None else item["loss"],
                 duration_s=item["duration_s"],
                 participants=len(item["participants"]),
             )

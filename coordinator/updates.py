@@ -80,6 +80,7 @@ def header_fields(h: Any) -> dict[str, Any]:
         "task_id": h.task_id,
         "total_bytes": h.payload.total_bytes,
         "sha256": h.payload.sha256,
+        "xxh3_128": h.payload.xxh3_128,
         "num_chunks": h.payload.num_chunks,
         "train_seconds": h.train_seconds,
         "train_loss": h.train_loss,

@@ -11,6 +11,7 @@ from deploy.experiment_spec import role_policy
 from deploy.report_render import PLOTS, pyplot, read_json_object, save_figure
 from deploy.stats import paired_difference, summarize
 from fedsynth.errors import ConfigError
+from fedsynth.process.provenance import provenance
 from fedsynth.process.runtime import write_atomic
 
 if TYPE_CHECKING:
@@ -27,13 +28,14 @@ def run_metrics(run_dir: Path, last_n: int, threshold: float) -> dict[str, Any]:
         privacy = json.loads((run_dir / "coordinator.json").read_text()).get("sdafl") or {}
     except (OSError, json.JSONDecodeError):
         privacy = {}
-    curve = [float(r["accuracy"]) for r in report["rounds"]]
+    tested = [r for r in report["rounds"] if r["accuracy"] is not None]  # "federated" evaluation may skip rounds
+    curve = [float(r["accuracy"]) for r in tested]
     tail = curve[-last_n:]
-    reached = [r["round"] for r in report["rounds"] if r["accuracy"] >= threshold]
+    reached = [r["round"] for r in tested if r["accuracy"] >= threshold]
     return {
         "last_n_accuracy": sum(tail) / len(tail) if tail else None,
         "final_accuracy": curve[-1] if curve else None,
-        "rounds_completed": len(curve),
+        "rounds_completed": len(report["rounds"]),
         "rounds_to_threshold": reached[0] if reached else None,
         # synthetic images the method used: generated (FedEAS and baselines) or uploaded DP-GAN samples (SDA-FL)
         "budget": int(report["generation"]["total_images"]) + int(sum(p.get("samples", 0) for p in privacy.values())),
@@ -97,7 +99,7 @@ def build_summary(experiment: Experiment, seeds: list[int], out_dir: Path, outco
                 paired.append({"a": arm.name, "b": other, **paired_difference(per_seed[arm.name], per_seed[other], s.confidence).to_dict()})
     return {
         "experiment": s.name, "seeds": seeds, "last_n": s.last_n, "threshold": s.threshold, "confidence": s.confidence,
-        "arms": arms, "paired": paired, "runs": runs,
+        "arms": arms, "paired": paired, "runs": runs, "version": provenance(),
     }
 
 

@@ -57,7 +57,13 @@ def ensure_generator_model(cfg: RunConfig, group: ProcessGroup) -> Path:
 
 def check_backend(cfg: RunConfig) -> None:
     """Refuse a configuration whose backend cannot serve this run, naming the keys to change."""
-    if cfg.generation.backend == "holdout" and cfg.data.holdout_fraction == 0:
+    if cfg.generation.backend == "holdout" and cfg.data.source == "local":
+        if cfg.generation.generator is None and not (Path(str(cfg.data.local_dir)) / "holdout").is_dir():
+            raise ConfigError(
+                f"generation.backend = 'holdout' in local mode serves data.local_dir/holdout, but {cfg.data.local_dir!r} "
+                "has none; write one with `fedsynth data split --holdout-fraction F`, or use generation.backend = 'ddpm'"
+            )
+    elif cfg.generation.backend == "holdout" and cfg.data.holdout_fraction == 0:
         raise ConfigError(
             "generation.backend = 'holdout' serves held-out real images, but data.holdout_fraction = 0 holds none out; "
             "set data.holdout_fraction in (0, 1), e.g. 0.1, or use generation.backend = 'ddpm'"
@@ -89,6 +95,8 @@ def backend_arguments(cfg: RunConfig, group: ProcessGroup) -> list[str]:
     """The backend's flags for `fedsynth generator serve`; trains the ddpm model first when none is cached."""
     check_backend(cfg)
     g = cfg.generation
+    if g.backend == "holdout" and cfg.data.source == "local":  # the held-out folder `data split` wrote beside the clients'
+        return ["--backend", "holdout", "--holdout-dir", str(Path(str(cfg.data.local_dir)) / "holdout")]
     if g.backend == "holdout":  # the same split as the coordinator and clients: same dataset, fraction and seed
         flags = ["--backend", "holdout", "--dataset", cfg.data.dataset,
                  "--holdout-fraction", repr(cfg.data.holdout_fraction), "--seed", str(cfg.seed)]
@@ -98,6 +106,12 @@ def backend_arguments(cfg: RunConfig, group: ProcessGroup) -> list[str]:
         flags = ["--backend", "text2image", "--model", g.model_dir, "--dataset", cfg.data.dataset,
                  "--ddim-steps", str(g.ddim_steps), "--guidance", str(g.guidance), "--prompt-template", g.prompt_template]
         flags += ["--data-dir", cfg.data.data_dir] if cfg.data.data_dir else []
-        return flags + (["--class-names-file", g.class_names_file] if g.class_names_file else [])
+        names_file = g.class_names_file
+        if names_file is None and cfg.data.classes is not None:  # the federation's schema names the classes: prompt those
+            names_path = group.log_dir.parent / "class_names.txt"
+            names_path.parent.mkdir(parents=True, exist_ok=True)
+            names_path.write_text("".join(f"{name.replace('_', ' ')}\n" for name in cfg.data.classes))
+            names_file = str(names_path)
+        return flags + (["--class-names-file", names_file] if names_file else [])
     model_dir = ensure_generator_model(cfg, group)
     return ["--backend", "ddpm", "--model", str(model_dir), "--ddim-steps", str(g.ddim_steps), "--guidance", str(g.guidance)]

@@ -21,6 +21,7 @@ from deploy.report import LAST_N, build_report, load_coordinator_record
 from deploy.scrape import scrape, total
 from fedsynth.wire import grpcutil, tls
 from fedsynth.config import RunConfig, load_config
+from fedsynth.errors import ConfigError
 from fedsynth.generation.generator_names import (
     DEVICE_SECONDS_TOTAL,
     FILTER_ACCEPTED_TOTAL,
@@ -34,7 +35,9 @@ from fedsynth.generation.generator_names import (
     REQUESTS_TOTAL,
     SERVICE_NAME,
 )
+from fedsynth.learning.label_schema import SCHEMA_FILE, read_schema_file, schema_of
 from fedsynth.learning.partition import check_partition
+from fedsynth.process.provenance import provenance
 from fedsynth.process.runtime import EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED, setup_logging, write_json
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
@@ -152,6 +155,10 @@ class Launcher:
                 "client", "--coordinator", coordinator, "--clients", ids, "--cache-dir", str(self.out_dir / "cache"),
                 "--torch-threads", str(self.cfg.runtime.torch_threads), "--metrics-port", "0", *self.tls_flags,
             )
+            if self.cfg.data.source == "local":  # each client its own folder, nothing else
+                lo, _, hi = ids.partition("-")
+                local_dir = Path(str(self.cfg.data.local_dir))
+                command += [item for cid in range(int(lo), int(hi) + 1) for item in ("--data", f"{cid}={local_dir / f'client-{cid}'}")]
             if generator:
                 command += ["--generator", generator]
             self.group.start(f"client-{ids}", command)
@@ -174,7 +181,7 @@ class Launcher:
                         log.error("run failed: %s", summary.message)
                     return summary.success
                 bar.n = summary.round
-                bar.set_postfix(acc=f"{summary.accuracy:.4f}", loss=f"{summary.loss:.3f}")
+                bar.set_postfix(acc=f"{summary.accuracy:.4f}", loss=f"{summary.loss:.3f}")  # nan: no server test set
                 bar.refresh()
                 if self.args.no_progress:
                     log.info("round %d/%d accuracy %.4f loss %.4f (%.1fs)", summary.round, total, summary.accuracy, summary.loss, summary.duration_s)
@@ -239,6 +246,8 @@ class Launcher:
         Whatever goes wrong here, even a stop signal, is the scoring's failure, not the finished run's: it is recorded
         as {"error": ...} and the report is written."""
         if address is None or counters is None or self.cfg.generation.evaluate_per_class == 0:
+            return None
+        if self.cfg.data.source == "local":  # the judge learns from real data, which in local mode only the clients hold
             return None
         from deploy.generator_quality import generator_quality
 
@@ -305,10 +314,32 @@ def filter_counters(values: dict[str, float]) -> dict[str, Any] | None:
     }
 
 
+def check_local_dir(cfg: RunConfig) -> None:
+    """Local mode: data.local_dir holds client-0 .. client-(K-1), and its schema.toml (if any) is the run's schema."""
+    d = cfg.data
+    if d.local_dir is None:
+        raise ConfigError('data.local_dir must name the folder of client-<k>/ folders when data.source = "local"')
+    root = Path(d.local_dir).expanduser()
+    missing = [f"client-{k}" for k in range(d.clients) if not (root / f"client-{k}").exists()]
+    if missing:
+        raise ConfigError(f"data.local_dir={d.local_dir!r}: no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
+                          f"(data.clients={d.clients})")
+    schema = schema_of(d)
+    if (root / SCHEMA_FILE).is_file() and schema is not None and read_schema_file(root / SCHEMA_FILE) != schema:
+        found = read_schema_file(root / SCHEMA_FILE)
+        raise ConfigError(f"data.local_dir={d.local_dir!r}: its {SCHEMA_FILE} names {len(found.classes)} classes of "
+                          f"{found.channels}x{found.image_size}x{found.image_size} images, the run's data.classes/"
+                          f"image_size/channels {len(schema.classes)} of {schema.channels}x{schema.image_size}x{schema.image_size}"
+                          + (" (other class names or order)" if len(found.classes) == len(schema.classes) else ""))
+
+
 def run(args: argparse.Namespace) -> int:
     setup_logging("launcher", args.log_level)
     cfg = load_config(args.config, args.set)
-    check_partition(cfg)  # an impossible split fails here, in seconds, not in every client node
+    if cfg.data.source == "local":
+        check_local_dir(cfg)  # a missing folder or another schema fails here, not in a client node
+    else:
+        check_partition(cfg)  # an impossible split fails here, in seconds, not in every client node
     out_dir = Path(args.out_dir or cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "config.json", cfg.to_dict())
@@ -348,6 +379,7 @@ def run(args: argparse.Namespace) -> int:
         generation_wall_s=launcher.generation_setup_s,
         generator_counters=counters,
         generator_quality=quality,
+        version=provenance(),
     )
     report["failures"] = launcher.failures
     report["exit_code"] = code if code else (0 if success else EXIT_ERROR)

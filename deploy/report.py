@@ -18,12 +18,16 @@ def build_report(
     generation_wall_s: float = 0.0,
     generator_counters: dict[str, Any] | None = None,
     generator_quality: dict[str, Any] | None = None,
+    version: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """generation.device_seconds is the generator's own sampling time (its Prometheus counter), when it ran; with the
-    quality filter it includes the rejected candidates, and generation.quality_filter says how many there were."""
+    quality filter it includes the rejected candidates, and generation.quality_filter says how many there were.
+    `version`: what made the run (fedsynth.process.provenance); the coordinator's own block when it is not given."""
     rounds = coordinator.get("rounds", [])
-    accuracies = [r["accuracy"] for r in rounds]
+    # None: a round nobody tested (federated evaluation off its eval_every; local mode with no server test set)
+    accuracies = [r["accuracy"] for r in rounds if r["accuracy"] is not None]
     tail = accuracies[-LAST_N:]
+    tail = [] if None in tail else tail
     per_client = {cid: g for cid, g in coordinator.get("generation", {}).items()}
     phases = {phase: sum(r["phases_s"].get(phase, 0.0) for r in rounds) for phase in PHASES}
     phases["generation"] += generation_wall_s  # generator training/start-up before round 1, if any
@@ -35,6 +39,7 @@ def build_report(
     device_seconds = float(generator_counters["device_seconds"]) if generator_counters else 0.0
     return {
         "run_id": coordinator.get("run_id"),
+        "version": version if version is not None else coordinator.get("version"),
         "success": coordinator.get("success", False),
         "error": coordinator.get("error"),
         "config": coordinator.get("config"),
@@ -49,9 +54,13 @@ def build_report(
                 "phases_s": r["phases_s"],
                 "bytes_sent": r["bytes_sent"],
                 "bytes_received": r["bytes_received"],
+                **({"update_norms": r["update_norms"]} if "update_norms" in r else {}),  # runtime.max_update_norm set
             }
             for r in rounds
         ],
+        "accuracy_source": "federated" if config.get("train", {}).get("evaluation") == "federated" else "server",
+        # each round's figures with its per-client counts, from which anyone can recompute them (docs/evaluation.md)
+        "federated_evaluation": [r["federated_evaluation"] for r in rounds if r.get("federated_evaluation")],
         "final_accuracy": accuracies[-1] if accuracies else None,
         "last20_mean_accuracy": sum(tail) / len(tail) if tail else None,
         "generation": {

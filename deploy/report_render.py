@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.report import LAST_N
+from deploy.report_federated import federated_section
 from fedsynth.errors import ConfigError
 from fedsynth.process.runtime import write_atomic
 
@@ -76,9 +77,10 @@ def load_run(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def plot_accuracy(report: dict[str, Any], record: dict[str, Any], path: Path) -> Path:
     plt = pyplot()
-    rounds = [r["round"] for r in report["rounds"]]
-    accuracy = [r["accuracy"] for r in report["rounds"]]
-    loss = [r["loss"] for r in report["rounds"]]
+    tested = [r for r in report["rounds"] if r["accuracy"] is not None]  # "federated" evaluation skips rounds
+    rounds = [r["round"] for r in tested]
+    accuracy = [r["accuracy"] for r in tested]
+    loss = [r["loss"] for r in tested]
     if report.get("initial_accuracy") is not None:
         rounds, accuracy = [0, *rounds], [report["initial_accuracy"], *accuracy]
         initial_loss = (record.get("initial") or {}).get("loss")
@@ -98,6 +100,27 @@ def plot_accuracy(report: dict[str, Any], record: dict[str, Any], path: Path) ->
     lines = ax.get_legend_handles_labels()[0] + loss_ax.get_legend_handles_labels()[0]
     ax.legend(lines, [h.get_label() for h in lines], fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncols=3)
     ax.set_title("Global model per round")
+    return save_figure(fig, path)
+
+
+def plot_federated(evaluations: list[dict[str, Any]], path: Path) -> Path:
+    """The weighted accuracy, the unweighted mean client, the 10th percentile and the worst client over rounds."""
+    plt = pyplot()
+    rounds = [e["round"] for e in evaluations]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    marker = "o" if len(rounds) <= 30 else None
+    for key, label, color in (("weighted_accuracy", "weighted by test examples", "#4c72b0"),
+                              ("mean_accuracy", "mean client", "#55a868"),
+                              ("p10_accuracy", "10th percentile", "#dd8452"),
+                              ("worst_accuracy", "worst client", "#c44e52")):
+        values = [e.get(key) for e in evaluations]
+        ax.plot(rounds, [float("nan") if v is None else v for v in values], marker=marker, color=color, label=label)
+    ax.set_xlabel("round")
+    ax.set_ylabel("accuracy on the clients' local test sets")
+    ax.set_ylim(0, 1)
+    integer_rounds(ax)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncols=4)
+    ax.set_title("Federated evaluation per round")
     return save_figure(fig, path)
 
 
@@ -234,7 +257,7 @@ def _markdown(report: dict[str, Any], record: dict[str, Any], gen_rows: list[Cli
         "| round | accuracy | loss | duration (s) | participants | bytes sent | bytes received |",
         "|---|---|---|---|---|---|---|",
         *[
-            f"| {r['round']} | {r['accuracy']:.4f} | {r['loss']:.4f} | {r['duration_s']:.2f} | {len(r['participants'])} "
+            f"| {r['round']} | {_fmt(r['accuracy'])} | {_fmt(r['loss'])} | {r['duration_s']:.2f} | {len(r['participants'])} "
             f"| {r['bytes_sent']:,} | {r['bytes_received']:,} |"
             for r in rounds
         ],
@@ -248,6 +271,7 @@ def _markdown(report: dict[str, Any], record: dict[str, Any], gen_rows: list[Cli
     ]
     generation = report.get("generation", {})
     lines += _quality_section(generation.get("quality"), generation.get("quality_filter"))
+    lines += federated_section(report.get("federated_evaluation") or [])
     lines += _sdafl_section(record)
     lines += ["## Plots", "", *[f"![{p.stem}]({PLOTS}/{p.name})" for p in plots], ""]
     lines += ["Processes: " + ", ".join(f"{role} (pid {pid})" for role, pid in report.get("processes", {}).items()), ""]
@@ -328,6 +352,8 @@ def render_report(run_dir: str | Path) -> list[Path]:
         ]
     if gen_rows:
         plots.append(plot_generation(gen_rows, plot_dir / "generation.png"))
+    if report.get("federated_evaluation"):
+        plots.append(plot_federated(report["federated_evaluation"], plot_dir / "federated.png"))
     markdown = run_dir / "report.md"
     write_atomic(markdown, _markdown(report, record, gen_rows, plots))
     return [markdown, *plots]

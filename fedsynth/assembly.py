@@ -13,6 +13,7 @@ from torch import nn
 from fedsynth.algorithms import Algorithm, get_algorithm
 from fedsynth.config import DataConfig, RunConfig
 from fedsynth.learning.data import ArrayDataset, load_dataset
+from fedsynth.learning.evaluation import DEFAULT_LOCAL_TEST_FRACTION, held_out_indices
 from fedsynth.errors import FedsynthError
 from fedsynth.learning.models import ProjectedModel, build_model
 from fedsynth.learning.partition import partition_for
@@ -67,6 +68,31 @@ def client_shard(cfg: RunConfig, client_id: int) -> ArrayDataset:
     """Client k's private shard, computed from (dataset, K, alpha, seed, k) alone; nodes on other machines agree."""
     train, parts = _partitioned(cfg.data, cfg.seed)
     return train.subset(parts[client_id])
+
+
+def local_test_fraction(cfg: RunConfig) -> float:
+    """The share of a shard held out for federated evaluation: data.local_test_fraction, or the documented default
+    when the clients evaluate and it is left at 0; 0 under server-only evaluation unless it is set."""
+    fraction = cfg.data.local_test_fraction
+    if fraction == 0 and cfg.train.evaluation != "server":
+        return DEFAULT_LOCAL_TEST_FRACTION
+    return fraction
+
+
+def local_test_split(cfg: RunConfig, client_id: int, shard: ArrayDataset, *,
+                     own_test: ArrayDataset | None = None) -> tuple[ArrayDataset, ArrayDataset | None]:
+    """(what client k trains on, its local test set or None): the one place that chooses a client's test examples.
+    Under federated evaluation a client with a test folder of its own (`own_test`, local mode) tests on it and trains
+    on its whole shard, unless data.local_test_fraction is set; otherwise the seeded held-out part of its shard. At a
+    fraction of 0 (server-only evaluation) the shard is returned as it is: training data bit for bit as without
+    federated evaluation."""
+    fraction = local_test_fraction(cfg)
+    if fraction == 0:
+        return shard, None
+    if own_test is not None and cfg.data.local_test_fraction == 0:
+        return shard, own_test
+    train, test = held_out_indices(len(shard.y), fraction, client_seed(cfg, client_id, "local-test") % (2**32))
+    return shard.subset(train), shard.subset(test)
 
 
 _split_lock = threading.Lock()

@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generator federate": ("generator_service.federate_cmd", "train the class-conditional generator across client nodes, optionally with DP"),
     "generator dpgan": ("generator_service.dpgan_cmd", "train a DP WGAN-GP on local images and write unlabelled samples"),
     "experiment": ("deploy.experiment", "several arms on the same partition and seed, with a comparison table"),
+    "data split": ("fedsynth.learning.split_cmd", "write per-client data folders (split mode's shards) for local mode"),
     "report": ("deploy.report_cmd", "re-render report.md and plots of a run folder"),
     "deploy provision": ("deploy.provision", "create a CA and per-role TLS certificates"),
 }

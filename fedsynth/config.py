@@ -15,9 +15,12 @@ from fedsynth.config_schema import (
     ACCOUNTANTS,
     ALGORITHM_PARAMS,
     ALGORITHMS,
+    BUILTIN_SCHEMAS,
+    DATA_SOURCES,
     DATASETS,
     DATA_PLANES,
     DP_LEVELS,
+    EVALUATIONS,
     GENERATOR_BACKENDS,
     GENERATOR_SIZES,
     MAX_EXPONENT,
@@ -25,6 +28,7 @@ from fedsynth.config_schema import (
     MODELS,
     PARTITIONS,
     POLICIES,
+    UPDATE_NORM_ACTIONS,
     WIRE_DTYPES,
     Section,
 )
@@ -34,6 +38,13 @@ PAPER_RULE = {"exponent": 0.5, "entropy_factor": True}  # FedEAS's b_k as the pa
 # Keys that came later (text2image's, the quality filter's): at these defaults, old fingerprints hold.
 LATER_GENERATION_KEYS = {"prompt_template": "a photo of a {name}", "class_names_file": None, "min_confidence": 0.0}
 DEFAULT_PROMPT_TEMPLATE = LATER_GENERATION_KEYS["prompt_template"]
+# Federated evaluation's keys (docs/evaluation.md): at these defaults (the coordinator tests alone), old fingerprints hold.
+LATER_EVALUATION_KEYS = {"data": {"local_test_fraction": 0.0}, "train": {"evaluation": "server", "eval_every": 1, "fraction_evaluate": 1.0}}
+# runtime's bounded-update keys (coordinator.update_norms): with the bound off they change nothing, and a set bound
+# enters the fingerprint (clipping changes results) only then, so old fingerprints hold.
+UPDATE_NORM_KEYS = ("max_update_norm", "max_update_norm_factor", "update_norm_action")
+# Local data's keys came later too: at these defaults (split mode, the dataset's built-in schema), old fingerprints hold.
+LATER_DATA_KEYS = {"source": "split", "classes": None, "image_size": None, "channels": None}
 MAX_SEED = 2**32 - 1  # torch, numpy and the derived per-client seeds all take it
 
 
@@ -44,48 +55,99 @@ def _require(ok: bool, message: str) -> None:
 
 @dataclass(frozen=True)
 class DataConfig(Section):
+    """The dataset and how it is split among the clients."""
+
     SECTION: ClassVar[str] = "data"
-    dataset: str = "digits"
-    data_dir: str | None = None
-    download: bool = False
-    clients: int = 10
-    partition: str = "dirichlet"
-    alpha: float = 0.1
-    min_size: int = 10
-    holdout_fraction: float = 0.0
+    dataset: str = "digits"  # digits is embedded (no download); cifar10/cifar100/npz read data_dir
+    data_dir: str | None = None  # the dataset's folder (npz: train.npz and test.npz)
+    download: bool = False  # let torchvision download CIFAR into data_dir when it is missing there
+    clients: int = 10  # K, the number of clients the training split is divided among
+    partition: str = "dirichlet"  # how labels are split: Dirichlet(alpha) label skew, or iid
+    alpha: float = 0.1  # the Dirichlet concentration: smaller is more skewed (the paper: 0.05, 0.1, 0.3)
+    min_size: int = 10  # the Dirichlet split is redrawn until every client holds at least this many samples
+    holdout_fraction: float = 0.0  # share of each class set aside before partitioning (the holdout backend serves it)
+    # The share of each client's shard it keeps out of training to test the global model on (federated evaluation);
+    # 0 with train.evaluation = "federated" or "both" means fedsynth.learning.evaluation.DEFAULT_LOCAL_TEST_FRACTION.
+    local_test_fraction: float = 0.0
+    # A registration reporting more samples than this (N_k, the client's aggregation weight) is refused; 0 = no limit.
+    # It decides who may join, not what a joined client computes: left out of the fingerprint.
+    max_samples_per_client: int = 0
+    # "split": each client cuts its shard of `dataset` by the seeded split above; "local": each client node loads its
+    # own folder (`fedsynth client --data`; the launcher passes `local_dir`/client-<k>) and the coordinator holds none.
+    source: str = "split"
+    local_dir: str | None = None  # the launcher's folder of client-<k>/ folders (`fedsynth data split --out`)
+    # The federation's label schema: class names in label order, square image side, channels. Left out, the built-in
+    # dataset's (digits: "0".."9", 8, 1; cifar10/cifar100: their names, 32, 3).
+    classes: tuple[str, ...] | None = None
+    image_size: int | None = None
+    channels: int | None = None
 
     def check(self) -> None:
         self.one_of("dataset", DATASETS)
-        self.non_empty("data_dir")
+        self.non_empty("data_dir", "local_dir")
         self.at_least(1, "clients")
         self.one_of("partition", PARTITIONS)
         self.above(0, "alpha")
         self.at_least(0, "min_size")
         self.within("holdout_fraction", 0, 1, high_open=True)
+        self.within("local_test_fraction", 0, 1, high_open=True)
+        self.at_least(0, "max_samples_per_client")
+        self.one_of("source", DATA_SOURCES)
+        self.at_least(1, "image_size")
+        if self.channels is not None and self.channels not in (1, 3):
+            self._fail("channels", "1 (grayscale) or 3 (RGB)")
+        if self.classes is not None:
+            if len(self.classes) < 2:
+                self._fail("classes", "a list of at least 2 class names")
+            for name in self.classes:
+                if not name.strip() or name != name.strip() or "/" in name or "\\" in name or name in (".", ".."):
+                    raise ConfigError(f"data.classes: {name!r} is not a usable class name (a folder name: no slashes, "
+                                      "no surrounding spaces)")
+            if len(set(self.classes)) < len(self.classes):
+                raise ConfigError(f"data.classes names a class twice: {list(self.classes)!r}")
+        if self.source == "local" and self.dataset not in BUILTIN_SCHEMAS:
+            for name in ("classes", "image_size", "channels"):
+                if getattr(self, name) is None:
+                    raise ConfigError(f"data.{name} must be set when data.source = \"local\" and data.dataset = "
+                                      f"{self.dataset!r} (only {', '.join(BUILTIN_SCHEMAS)} bring a built-in schema)")
+
+    def schema(self) -> tuple[tuple[str, ...] | None, int | None, int | None]:
+        """(classes, image_size, channels): the keys given, else the built-in dataset's (None where npz has none)."""
+        builtin = BUILTIN_SCHEMAS.get(self.dataset, (None, None, None))
+        given = (self.classes, self.image_size, self.channels)
+        return tuple(mine if mine is not None else theirs for mine, theirs in zip(given, builtin))  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
 class TrainConfig(Section):
+    """The model, the federated algorithm and local training."""
+
     SECTION: ClassVar[str] = "train"
-    model: str = "cnn"
-    algorithm: str = "fedavg"
-    rounds: int = 20
-    fraction: float = 1.0
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    batch_size: int = 32
-    local_epochs: int = 5
-    max_steps: int | None = None
-    augment: bool = False
-    eval_batch_size: int = 512
-    algorithm_params: dict[str, int | float] = field(default_factory=dict)
+    model: str = "cnn"  # the global model: a small CNN, or the CIFAR ResNet-18
+    algorithm: str = "fedavg"  # the federated algorithm (docs/algorithms.md); FedEAS is generation.policy
+    rounds: int = 20  # T, communication rounds
+    fraction: float = 1.0  # share of the clients sampled each round
+    lr: float = 0.05  # clients' SGD learning rate
+    momentum: float = 0.9  # clients' SGD momentum
+    weight_decay: float = 0.0  # clients' SGD weight decay
+    batch_size: int = 32  # local training batch size
+    local_epochs: int = 5  # E, passes over a client's (real + synthetic) data each round
+    max_steps: int | None = None  # cap on a client's optimizer steps a round (0: training off, for benchmarks)
+    augment: bool = False  # random crop and horizontal flip of local training batches
+    eval_batch_size: int = 512  # batch size of the coordinator's test pass
+    evaluation: str = "server"  # "server": the coordinator's test set; "federated": the clients' local test sets; "both"
+    eval_every: int = 1  # federated evaluation after every eval_every-th round (and after the last)
+    fraction_evaluate: float = 1.0  # the share of the K clients sampled (seeded, per round) to evaluate
+    algorithm_params: dict[str, int | float] = field(default_factory=dict)  # the algorithm's parameters by name
 
     def check(self) -> None:
         self.one_of("model", MODELS)
         self.one_of("algorithm", ALGORITHMS)
         self.at_least(1, "rounds", "batch_size", "local_epochs", "eval_batch_size")
         self.within("fraction", 0, 1, low_open=True)
+        self.one_of("evaluation", EVALUATIONS)
+        self.at_least(1, "eval_every")
+        self.within("fraction_evaluate", 0, 1, low_open=True)
         self.above(0, "lr")
         self.within("momentum", 0, 1, high_open=True)
         self.at_least(0, "weight_decay", "max_steps")
@@ -94,21 +156,23 @@ class TrainConfig(Section):
 
 @dataclass(frozen=True)
 class GenerationConfig(Section):
+    """Synthetic data: the allocation policy (where to generate) and the generator that draws the images."""
+
     SECTION: ClassVar[str] = "generation"
-    policy: str = "fedeas"  # the embedded default run is FedEAS; "none" is plain federated training
-    beta: float = 12.0
-    budget: int | None = None
-    backend: str = "ddpm"
+    policy: str = "fedeas"  # where to generate: FedEAS (the default), a matched baseline, or none (plain FL)
+    beta: float = 12.0  # FedEAS's budget scale in b_k (the paper: 12)
+    budget: int | None = None  # uniform / missing: total images B (unset: matched to FedEAS's total at beta)
+    backend: str = "ddpm"  # what the generator serves: a trained DDPM, real held-out images, or a text2image pipeline
     model_dir: str | None = None  # ddpm: a trained folder (None: train on first use); text2image: a saved pipeline
     # A running generator: HOST:PORT, replicas as HOST:PORT,HOST:PORT,... (requests sharded across them), or
     # dns:///NAME:PORT (every address NAME resolves to, round_robin); None lets the launcher start one.
     generator: str | None = None
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE  # text2image: {name} is the class name
     class_names_file: str | None = None  # text2image: one class name per line (needed for npz)
-    ddim_steps: int = 10
+    ddim_steps: int = 10  # sampling steps (text2image: the pipeline's num_inference_steps)
     guidance: float = 1.0  # w of classifier-free guidance; docs/generator.md: w = 3 collapses the tiny digits model
     train_steps: int = 1500  # for a generator the launcher trains on first use
-    size: str = "tiny"
+    size: str = "tiny"  # the UNet size the launcher trains on first use (docs/generator.md)
     exponent: float = 0.5  # b_k grows as (N_k / C)^exponent: 0.5 the paper's sqrt, 1.0 its linear ablation (Table 2)
     entropy_factor: bool = True  # false drops (1 - H_k / ln C) from b_k: the paper's entropy ablation (Table 2)
     # The quality filter: the generator serves only images its judge assigns to their class with at least this
@@ -175,18 +239,18 @@ class SdaflConfig(Section):
     mixup_alpha: float = 1.0  # lambda ~ Beta(a, a)
     gan_steps: int = 100  # generator iterations of each client's WGAN-GP
     gan_batch_size: int = 32  # expected (Poisson) real batch size of the critic
-    gan_latent_dim: int = 32
-    gan_width: int = 32
+    gan_latent_dim: int = 32  # the DP-GAN generator's noise dimension
+    gan_width: int = 32  # channel width of the DP-GAN's generator and critic
     gan_lr: float = 1e-4  # Adam (0.5, 0.9) as in WGAN-GP; 1e-3 trains far faster for tiny CPU-sized GANs
     secure_noise: bool = False  # True: unpredictable DP noise (Opacus secure_mode); runs stop being reproducible
     target_epsilon: float = 10.0  # 0: no target, use noise_multiplier as given
-    noise_multiplier: float = 1.0
+    noise_multiplier: float = 1.0  # DP-SGD noise on the critic when target_epsilon is 0
     delta: float = 0.0  # 0: 1 / N_k^1.1 for each client
-    max_grad_norm: float = 1.0
-    accountant: str = "rdp"
+    max_grad_norm: float = 1.0  # per-sample gradient clipping norm of the critic
+    accountant: str = "rdp"  # the Opacus privacy accountant
     server_steps: int = 20  # global-model steps on the labelled synthetic set after each aggregation
-    server_lr: float = 0.01
-    server_batch_size: int = 64
+    server_lr: float = 0.01  # the server's SGD lr on the synthetic set
+    server_batch_size: int = 64  # the server's batch size on the synthetic set
     track_agreement: bool = True  # measure pseudo-label agreement with a centrally trained reference classifier
 
     def check(self) -> None:
@@ -203,15 +267,17 @@ class SdaflConfig(Section):
 
 @dataclass(frozen=True)
 class RuntimeConfig(Section):
+    """Processes, addresses, deadlines and the transport."""
+
     SECTION: ClassVar[str] = "runtime"
-    host: str = "127.0.0.1"
-    coordinator_port: int = 0
-    round_timeout_s: float = 600.0
-    quorum: float = 0.5
-    registration_timeout_s: float = 300.0
-    rejoin_grace_s: float = 10.0
-    clients_per_process: int = 1
-    torch_threads: int = 1
+    host: str = "127.0.0.1"  # address the launcher's coordinator and generator bind and its clients dial
+    coordinator_port: int = 0  # the coordinator's gRPC port (0: a free one)
+    round_timeout_s: float = 600.0  # a round closes at this deadline with the answers of a quorum
+    quorum: float = 0.5  # share of the sampled clients (of all K at registration) a round needs
+    registration_timeout_s: float = 300.0  # how long a fresh run waits for all K clients to register
+    rejoin_grace_s: float = 10.0  # how long a round waits for a disconnected client to come back
+    clients_per_process: int = 1  # logical clients per client-node process the launcher starts
+    torch_threads: int = 1  # torch CPU threads in each process the launcher starts
     heartbeat_s: float = 2.0  # coordinator -> client stream heartbeats, and each client's Heartbeat RPC
     heartbeat_timeout_s: float = 6.0  # a connected client silent this long is dropped (its stream ended)
     overlap_evaluation: bool = True  # test round r's model while round r+1 trains (same results, less wall-clock)
@@ -220,13 +286,23 @@ class RuntimeConfig(Section):
     # "tcp": tasks' and updates' payloads of at least data_plane_min_bytes move over the coordinator's data plane (one
     # TCP or TLS connection per transfer, raw bytes, checksummed; docs/runtime.md), not as chunks on gRPC streams
     data_plane: str = "grpc"
-    data_plane_min_bytes: int = 4 << 20
+    data_plane_min_bytes: int = 4 << 20  # smaller payloads stay on gRPC under data_plane = "tcp"
+    # The most an update may move the global model: the L2 norm of its floating-point tensors as differences from the
+    # round's global model (SCAFFOLD's delta c_i included). 0 = off; a number; or "auto": max_update_norm_factor times
+    # the median norm of the round's updates (held until the round closes). Past it: update_norm_action.
+    max_update_norm: float | str = 0.0
+    max_update_norm_factor: float = 10.0
+    update_norm_action: str = "refuse"  # "refuse": left out of the round; "clip": scaled down onto the bound
 
     def check(self) -> None:
         self.non_empty("host", "tls_dir")
         self.one_of("wire_dtype", WIRE_DTYPES)
         self.one_of("data_plane", DATA_PLANES)
         self.at_least(0, "data_plane_min_bytes")
+        if self.max_update_norm != "auto" and (isinstance(self.max_update_norm, str) or self.max_update_norm < 0):
+            self._fail("max_update_norm", '0 (off), a number > 0 or "auto"')
+        self.within("max_update_norm_factor", 1, 1e6, low_open=True)
+        self.one_of("update_norm_action", UPDATE_NORM_ACTIONS)
         self.within("coordinator_port", 0, 65535)
         self.above(0, "round_timeout_s", "registration_timeout_s", "heartbeat_s")
         self.within("quorum", 0, 1, low_open=True)
@@ -253,7 +329,7 @@ class FederateConfig(Section):
     clip: float = 1.0  # S: the L2 bound of a client's update (user) or of one image's gradient (sample)
     noise_multiplier: float = 1.0  # sigma, used when target_epsilon is not set
     target_epsilon: float | None = None  # picks sigma (Opacus get_noise_multiplier) for the whole run
-    delta: float = 1e-5
+    delta: float = 1e-5  # the DP delta epsilon is accounted at (dp user or sample)
     accountant: str = "rdp"  # Opacus's: rdp or prv
     noise_multiplicity: int = 1  # dp = "sample": diffusion noise draws per image inside one per-sample gradient (DPDM)
     max_physical_batch: int = 64  # dp = "sample": Opacus BatchMemoryManager's physical batch (images)
@@ -279,9 +355,11 @@ class FederateConfig(Section):
 
 @dataclass(frozen=True)
 class RunConfig(Section):
-    name: str = "default"
-    seed: int = 0
-    out_dir: str = "runs/default"
+    """A run: its name, seed and output folder, then one table per section."""
+
+    name: str = "default"  # a label for the run, recorded with its config
+    seed: int = 0  # fixes partitions, sampling, generation and training order
+    out_dir: str = "runs/default"  # where report.json, the checkpoint, plots and logs go
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
@@ -299,6 +377,12 @@ class RunConfig(Section):
         if unet and self.generation.policy != "none":
             raise ConfigError(f"generation.policy must be \"none\" when training a generator (train.algorithm = \"ddpm\"), "
                               f"got {self.generation.policy!r}")
+        if unet and self.train.evaluation != "server":
+            raise ConfigError(f"train.evaluation must be \"server\" when training a generator (train.algorithm = \"ddpm\"): "
+                              f"the clients have no classifier to test, got {self.train.evaluation!r}")
+        if self.data.source == "local" and not unet and self.train.evaluation != "federated":
+            raise ConfigError(f"train.evaluation must be \"federated\" when data.source = \"local\": the coordinator holds "
+                              f"no test data, got {self.train.evaluation!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -308,10 +392,18 @@ class RunConfig(Section):
         runtime settings and the number of rounds are left out, so a finished run can be extended."""
         content = self.to_dict()
         content.pop("out_dir")
+        content["data"].pop("local_dir")  # where the launcher finds the client folders changes no result
+        for key, default in LATER_DATA_KEYS.items():  # keys that came later: at their defaults, old fingerprints hold
+            if content["data"][key] == default:
+                content["data"].pop(key)
         content["generation"].pop("evaluate_per_class")  # scoring the generator after the run changes no result
-        wire_dtype = content.pop("runtime")["wire_dtype"]
+        content["data"].pop("max_samples_per_client")
+        runtime = content.pop("runtime")
+        wire_dtype = runtime["wire_dtype"]
         if wire_dtype != "float32":  # rounding the updates changes results; at the default, old fingerprints hold
             content["wire_dtype"] = wire_dtype
+        if runtime["max_update_norm"] != 0:  # a bound may clip or refuse updates; off, old fingerprints hold
+            content["update_norm"] = {key: runtime[key] for key in UPDATE_NORM_KEYS}
         content["train"].pop("rounds")
         if content["train"]["algorithm"] != "ddpm":  # the section came later and changes only a generator's training
             content.pop("federate")
@@ -320,6 +412,10 @@ class RunConfig(Section):
         for key, default in LATER_GENERATION_KEYS.items():  # keys that came later: at their defaults, old fingerprints hold
             if content["generation"][key] == default:
                 content["generation"].pop(key)
+        for section, defaults in LATER_EVALUATION_KEYS.items():
+            for key, default in defaults.items():
+                if content[section][key] == default:
+                    content[section].pop(key)
         for key, paper in PAPER_RULE.items():  # the ablation keys came later: at the paper's rule, old fingerprints hold
             if content["generation"][key] == paper:
                 content["generation"].pop(key)
@@ -354,6 +450,10 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
 def from_dict(raw: dict[str, Any]) -> RunConfig:
     _require(isinstance(raw, dict), f"a run config must be a table, got {raw!r}")
     sections: dict[str, Any] = {}
+    data, train = raw.get("data", {}), raw.get("train", {})
+    if (isinstance(data, dict) and isinstance(train, dict) and data.get("source") == "local" and "evaluation" not in train
+            and train.get("algorithm") != "ddpm"):
+        raw = {**raw, "train": {**train, "evaluation": "federated"}}  # local mode's default: the clients test
     for name, cls in SECTIONS.items():
         table = raw.get(name, {})
         _require(isinstance(table, dict), f"{name} must be a table (the [{name}] section), got {table!r}")

@@ -33,7 +33,26 @@ GENERATOR_SIZES = ("tiny", "small", "half", "ddpm-cifar")  # fedsynth.learning.u
 GENERATOR_TRAIN_LR = {"tiny": 2e-3, "small": 2e-3, "half": 2e-4, "ddpm-cifar": 2e-4}
 WIRE_DTYPES = ("float32", "float16", "bfloat16")  # fedsynth.wire.wire_dtype: the floats of client updates on the wire
 DP_LEVELS = ("none", "user", "sample")  # federate.dp: none, DP-FedAvg (a client's whole data), DP-SGD (one image)
+EVALUATIONS = ("server", "federated", "both")  # who tests the global model: the coordinator, the clients (counts), or both
 DATA_PLANES = ("grpc", "tcp")  # how model payloads travel: chunks on the gRPC streams, or fedsynth.wire.data_plane beside them
+UPDATE_NORM_ACTIONS = ("refuse", "clip")  # coordinator.update_norms: what becomes of an update past runtime.max_update_norm
+DATA_SOURCES = ("split", "local")  # data.source: a seeded split of one dataset, or each client's own folder
+DATA_FORMATS = ("imagefolder", "npz", "hf")  # `fedsynth data split --format` (fedsynth.learning.split_export)
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+CIFAR100_CLASSES = tuple("""
+apple aquarium_fish baby bear beaver bed bee beetle bicycle bottle bowl boy bridge bus butterfly camel can castle
+caterpillar cattle chair chimpanzee clock cloud cockroach couch crab crocodile cup dinosaur dolphin elephant flatfish
+forest fox girl hamster house kangaroo keyboard lamp lawn_mower leopard lion lizard lobster man maple_tree motorcycle
+mountain mouse mushroom oak_tree orange orchid otter palm_tree pear pickup_truck pine_tree plain plate poppy porcupine
+possum rabbit raccoon ray road rocket rose sea seal shark shrew skunk skyscraper snail snake spider squirrel streetcar
+sunflower sweet_pepper table tank telephone television tiger tractor train trout tulip turtle wardrobe whale
+willow_tree wolf woman worm""".split())  # torchvision's CIFAR-100 fine-label order
+# The label schema each built-in dataset brings (data.classes, data.image_size, data.channels when left out).
+BUILTIN_SCHEMAS: dict[str, tuple[tuple[str, ...], int, int]] = {
+    "digits": (tuple(str(d) for d in range(10)), 8, 1),
+    "cifar10": (CIFAR10_CLASSES, 32, 3),
+    "cifar100": (CIFAR100_CLASSES, 32, 3),
+}
 MAX_EXPONENT = 2.0  # generation.exponent / plan --exponent: past (N_k / C)^2 no generator could fill a budget
 
 
@@ -106,6 +125,8 @@ def _describe(hint: Any) -> str:
         return " or ".join(_describe(option) for option in real) + (" (or left out)" if optional else "")
     if typing.get_origin(hint) is dict or is_dataclass(hint):
         return "a table"
+    if typing.get_origin(hint) is tuple:
+        return f"a list of {_describe(typing.get_args(hint)[0]).removeprefix('a ').removeprefix('an ')}s"
     return {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}[hint]
 
 
@@ -135,6 +156,9 @@ def check_value(key: str, value: Any, hint: Any) -> Any:
     elif typing.get_origin(hint) is dict and isinstance(value, dict):
         _, value_hint = typing.get_args(hint)
         return {name: check_value(f"{key}.{name}", item, value_hint) for name, item in value.items()}
+    elif typing.get_origin(hint) is tuple and isinstance(value, (list, tuple)):  # tuple[X, ...]: a TOML array
+        item_hint = typing.get_args(hint)[0]
+        return tuple(check_value(f"{key}[{i}]", item, item_hint) for i, item in enumerate(value))
     elif is_dataclass(hint) and isinstance(value, hint):
         return value
     elif hint is bool and isinstance(value, bool):

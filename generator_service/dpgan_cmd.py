@@ -10,6 +10,7 @@ import argparse
 import io
 import json
 import logging
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,8 @@ CONFIG_KEYS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", required=True, help=".npz with x: uint8 N x H x W x C (labels are not read)")
+    parser.add_argument("--data", required=True, help=".npz with x: uint8 N x H x W x C (labels are not read); "
+                        "- reads it from stdin (how a client node hands over its private shard: never on disk)")
     parser.add_argument("--out", required=True, help="folder for samples.npz and privacy.json")
     parser.add_argument("--count", type=int, required=True, help="samples to generate (M)")
     parser.add_argument("--sample-seed", type=int, default=0)
@@ -46,11 +48,12 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise ConfigError(f"--config-json has unknown keys {unknown}")
     cfg = DPGANConfig(**fields)
+    source = io.BytesIO(sys.stdin.buffer.read()) if args.data == "-" else args.data
     try:
-        with np.load(args.data, allow_pickle=False) as archive:
+        with np.load(source, allow_pickle=False) as archive:
             x = np.ascontiguousarray(archive["x"])
-    except (OSError, KeyError, ValueError) as exc:
-        raise DataError(f"{args.data}: expected an .npz with an array 'x' ({exc})") from exc
+    except (OSError, EOFError, KeyError, ValueError) as exc:
+        raise DataError(f"{'stdin' if args.data == '-' else args.data}: expected an .npz with an array 'x' ({exc})") from exc
     result = train_dp_wgan(x, cfg)
     log.info("trained: %s in %.1fs", result.privacy_statement(), result.train_seconds)
     samples = sample_images(result.generator, args.count, seed=args.sample_seed)

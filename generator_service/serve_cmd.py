@@ -36,7 +36,7 @@ LOAD_POLL_S = 0.2  # how often the main thread looks for a stop signal while the
 # The flags each backend takes, and those it requires; a flag only other backends take is refused, not ignored.
 BACKEND_FLAGS: dict[str, tuple[str, ...]] = {
     "ddpm": ("model", "ddim_steps", "guidance"),
-    "holdout": ("dataset", "data_dir", "holdout_fraction", "seed"),
+    "holdout": ("dataset", "data_dir", "holdout_fraction", "seed", "holdout_dir"),
     "text2image": ("model", "dataset", "data_dir", "ddim_steps", "guidance", "prompt_template", "class_names_file"),
 }
 REQUIRED_FLAGS: dict[str, tuple[str, ...]] = {"ddpm": ("model",), "holdout": ("dataset", "holdout_fraction", "seed"),
@@ -55,6 +55,7 @@ class ServeConfig:
     data_dir: Path | None = None
     holdout_fraction: float | None = None
     seed: int | None = None
+    holdout_dir: Path | None = None  # holdout in local mode: `fedsynth data split --holdout-fraction`'s OUT/holdout
     prompt_template: str | None = None  # text2image: None is "a photo of a {name}"
     class_names_file: Path | None = None  # text2image: one name per line; built in for digits and CIFAR
     host: str = "127.0.0.1"
@@ -86,8 +87,11 @@ class ServeConfig:
                     also = " (the quality filter reads it with --min-confidence > 0)" if name == "data_dir" else ""
                     raise ConfigError(f"{_flag(name)} is a flag of --backend {other}, not of --backend {self.backend}"
                                       f"{also}")
+        if self.holdout_dir is not None and any(getattr(self, name) is not None for name in ("dataset", "data_dir", "holdout_fraction", "seed")):
+            raise ConfigError("--holdout-dir serves that folder as it is: give it without --dataset, --data-dir, "
+                              "--holdout-fraction and --seed")
         for name in REQUIRED_FLAGS.get(self.backend, ()):
-            if getattr(self, name) is None:
+            if getattr(self, name) is None and self.holdout_dir is None:
                 raise ConfigError(f"--backend {self.backend} needs {_flag(name)}")
         if self.dataset is not None and self.dataset not in DATASETS:
             raise ConfigError(f"--dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}")
@@ -211,6 +215,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "data): the run's data.data_dir")
     parser.add_argument("--holdout-fraction", type=float, default=None, help="holdout: the run's data.holdout_fraction, in (0, 1)")
     parser.add_argument("--seed", type=int, default=None, help="holdout: the run's seed (it seeds the hold-out split)")
+    parser.add_argument("--holdout-dir", type=Path, default=None,
+                        help="holdout in local mode: serve this folder of real held-out images (`fedsynth data split "
+                             "--holdout-fraction F` writes OUT/holdout; its schema.toml beside it names the classes) instead "
+                             "of --dataset/--holdout-fraction/--seed")
     parser.add_argument("--prompt-template", default=None,
                         help='text2image: the prompt, with {name} for the class name (default "a photo of a {name}")')
     parser.add_argument("--class-names-file", type=Path, default=None,
@@ -260,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
     security = tls.ServerSecurity.from_args(args, "generator")
     config = ServeConfig(
         model=args.model, backend=args.backend, dataset=args.dataset, data_dir=args.data_dir,
-        holdout_fraction=args.holdout_fraction, seed=args.seed, prompt_template=args.prompt_template,
+        holdout_fraction=args.holdout_fraction, seed=args.seed, holdout_dir=args.holdout_dir, prompt_template=args.prompt_template,
         class_names_file=args.class_names_file, host=security.bind_host(args.host), port=args.port, port_file=args.port_file, metrics_port=args.metrics_port,
         metrics_host=args.metrics_host, metrics_insecure=args.metrics_insecure,
         max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_request_images=args.max_request_images,

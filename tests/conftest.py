@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from threadpoolctl import threadpool_limits
 
 from coordinator import checkpoint
 from runtime_harness import Runtime, read_record, wait_exit
@@ -28,6 +29,20 @@ class FinishedRun:
     out_dir: Path
     record: dict[str, Any]
     final_state: dict[str, torch.Tensor]
+
+
+@pytest.fixture(autouse=True)
+def one_cpu_thread() -> Iterator[None]:
+    """Torch and BLAS (scikit-learn's, numpy's) on one thread inside the test process: scripts/test.sh runs 2 pytest
+    workers on 2 cores, where each worker's second thread only spins against the other worker, and the models trained
+    and sampled in process are too small to gain from it (a generator's quality check: 78 s of CPU on the default
+    threads, 3.5 s on one). Results do not change: every such computation is seeded and single-device. The processes a
+    test starts choose their own threads (--torch-threads, --threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with threadpool_limits(1):
+        yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ COORDINATOR_METHODS = {  # method -> (request streaming, response streaming, a v
     "WatchRounds": (False, True, pb.WatchRequest()),
     "UploadSynthetic": (True, False, pb.SyntheticChunk(header=pb.SyntheticHeader(client_id=1, session="s" * 32, dtype="uint8"))),
     "UploadMeanData": (True, False, pb.MeanDataChunk(header=pb.MeanDataHeader(client_id=1, session="s" * 32, count=3, mean_batch=5))),
+    "ReportSetupFailure": (False, False, pb.SetupFailure(client_id=1, session="s" * 32, reason="DP-GAN training failed")),
 }
 GENERATOR_METHODS = {
     "Generate": (False, True, gpb.GenerateRequest(counts=[3, 2], seed=1, model_id="m" * 20)),

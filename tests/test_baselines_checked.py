@@ -200,7 +200,7 @@ class _Coordinator:
     def SubmitUpdate(self, messages: list[pb.UpdateChunk | bytes], timeout: float) -> None:  # noqa: N802 - the gRPC name
         # the client frames its chunk messages by hand (fedsynth.wire.raw_messages): bytes, parsed here as the server would
         header, *chunks = [m if isinstance(m, pb.UpdateChunk) else pb.UpdateChunk.FromString(m) for m in messages]
-        meta = codec.PayloadMeta(header.header.payload.total_bytes, header.header.payload.sha256, header.header.payload.num_chunks)
+        meta = codec.meta_of(header.header.payload)
         if header.header.inline_payload:  # an update that fits one chunk travels in its header
             assert not chunks
             data = bytes(receive_inline(meta, header.header.inline_payload).numpy())

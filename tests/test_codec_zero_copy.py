@@ -6,9 +6,11 @@ import hashlib
 import json
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
+import xxhash
 from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file
@@ -16,9 +18,11 @@ from safetensors.torch import load_file
 from fedsynth.wire import codec
 from fedsynth.algorithms.base import Aggregator, fold
 from fedsynth.errors import WireError
-from fedsynth.wire.raw_messages import chunk_message, passthrough, task_message
-from fedsynth.wire.tensor_buffer import HUGE_PAGE_BYTES, decode_views, encode_to_buffer, fresh_buffer, write_safetensors
-from fedsynth.wire.transfer import byte_view, chunk_views, describe_buffer, prepare, receive_inline, receive_into
+from fedsynth.wire.raw_messages import RawChunk, chunk_message, parse_chunk, parsing_chunks, passthrough, task_message
+from fedsynth.wire.tensor_buffer import HUGE_PAGE_BYTES, decode_views, encode_parts, encode_to_buffer, fresh_buffer, write_safetensors
+from fedsynth.wire.transfer import (
+    byte_view, chunk_messages, chunk_views, describe_buffer, describe_parts, prepare, receive_inline, receive_into,
+)
 from fedsynth.v1 import coordinator_pb2 as pb
 
 CHUNK = codec.CHUNK_BYTES
@@ -154,7 +158,30 @@ def test_hand_framed_chunk_messages_are_protobufs_own_bytes(seq: int, size: int)
         assert framed == wrapper(chunk=pb.Chunk(seq=seq, data=data)).SerializeToString(), wrapper.__name__
         parsed = wrapper.FromString(framed)
         assert parsed.WhichOneof("kind") == "chunk" and parsed.chunk.seq == seq and parsed.chunk.data == data
+    by_hand = parse_chunk(framed)
+    assert isinstance(by_hand, RawChunk) and by_hand.WhichOneof("kind") == "chunk"
+    assert by_hand.chunk.seq == seq and bytes(by_hand.chunk.data) == data
 
+
+@pytest.mark.parametrize("message", [
+    pb.ServerMessage(heartbeat=pb.Heartbeat(unix_time=1.0)),
+    pb.ServerMessage(task=pb.Task(round=1, task_id="t")),
+    pb.UpdateChunk(header=pb.UpdateHeader(client_id=3)),
+])
+def test_messages_other_than_chunks_are_left_to_protobuf(message: object) -> None:
+    framed = message.SerializeToString()  # type: ignore[attr-defined]
+    assert parse_chunk(framed) is None
+    assert parsing_chunks(type(message).FromString)(framed) == message
+
+
+@pytest.mark.parametrize("framed", [
+    b"\x12\x05\x08\x01\x12\x02ab",  # one byte short of what it announces
+    b"\x12\x04\x08\x01\x12\x02abc",  # a byte more than it announces
+    b"\x12\x80",  # a length that never ends
+    b"\x12\x06\x12\x02ab\x08\x01",  # fields out of the usual order
+])
+def test_a_chunk_framed_otherwise_is_read_by_protobuf_or_refused(framed: bytes) -> None:
+    assert parse_chunk(framed) is None
 
 @pytest.mark.parametrize("size", [0, 1, 127, 128, 16_384, CHUNK])
 @pytest.mark.parametrize("ticket", [b"", b"t" * 16])
@@ -180,7 +207,7 @@ def test_passthrough_serializer_sends_bytes_as_they_are() -> None:
 def test_prepared_payload_frames_every_chunk_once() -> None:
     data = payload_of(3 * CHUNK + 17)
     prepared = prepare(as_buffer(data))
-    assert prepared.meta == codec.describe(data)
+    assert prepared.meta == codec.PayloadMeta(len(data), "", 4, xxhash.xxh3_128(data).digest())
     received = [pb.ServerMessage.FromString(m).chunk for m in prepared.messages]
     assert [c.seq for c in received] == [0, 1, 2, 3]
     assert b"".join(c.data for c in received) == data
@@ -191,16 +218,16 @@ def test_a_payload_that_fits_one_chunk_travels_inline_and_is_checked_as_a_chunk(
     prepared = prepare(as_buffer(data))
     assert prepared.ready and prepared.messages == () and prepared.inline == data
     meta = prepared.meta
-    assert (meta.total_bytes, meta.num_chunks, meta.sha256) == (len(data), 0, hashlib.sha256(data).hexdigest())
+    assert (meta.total_bytes, meta.num_chunks, meta.xxh3_128) == (len(data), 0, xxhash.xxh3_128(data).digest())
     assert bytes(receive_inline(meta, data).numpy()) == data
     with pytest.raises(WireError, match="checksum"):
         receive_inline(meta, data[:-1] + bytes([data[-1] ^ 1]))
     with pytest.raises(WireError, match="announces 0 chunks, not 1"):
-        receive_inline(codec.PayloadMeta(len(data), meta.sha256, 1), data)
+        receive_inline(replace(meta, num_chunks=1), data)
     with pytest.raises(WireError, match=f"an inline payload holds 1 to {CHUNK} bytes; {CHUNK + 1} announced"):
-        receive_inline(codec.PayloadMeta(CHUNK + 1, meta.sha256, 0), data)
+        receive_inline(replace(meta, total_bytes=CHUNK + 1), data)
     with pytest.raises(WireError):  # fewer bytes than announced
-        receive_inline(codec.PayloadMeta(len(data) + 1, meta.sha256, 0), data)
+        receive_inline(replace(meta, total_bytes=len(data) + 1), data)
 
 
 # ---- receiving in place --------------------------------------------------------------------------
@@ -212,8 +239,33 @@ def test_receive_into_puts_every_byte_in_place_at_chunk_boundaries(size: int) ->
     buffer = receive_into(codec.describe(data), pieces(data))
     assert buffer.dtype == torch.uint8 and buffer.numel() == size
     assert bytes(byte_view(buffer)) == data
-    assert describe_buffer(buffer) == codec.describe(data)
+    assert describe_buffer(buffer) == codec.PayloadMeta(size, "", codec.num_chunks(size), xxhash.xxh3_128(data).digest())
     assert [len(piece) for _, piece in chunk_views(buffer)] == [len(piece) for _, piece in pieces(data)]
+
+
+def test_a_changed_byte_is_refused_by_whichever_checksum_is_announced() -> None:
+    data = payload_of(2 * CHUNK + 5)
+    bad = bytearray(data)
+    bad[CHUNK + 3] ^= 1
+    xxh3_only = describe_parts([memoryview(data)])
+    sha256_only = codec.describe(data)  # an older sender's
+    for meta in (xxh3_only, sha256_only, replace(sha256_only, xxh3_128=xxh3_only.xxh3_128)):
+        assert bytes(byte_view(receive_into(meta, pieces(data)))) == data
+        with pytest.raises(WireError, match="does not match the announced"):
+            receive_into(meta, pieces(bytes(bad)))
+    with pytest.raises(WireError, match="announces no checksum"):
+        receive_into(replace(xxh3_only, xxh3_128=b""), pieces(data))
+
+
+def test_chunk_messages_of_parts_frame_the_encoded_bytes_with_chunks_spanning_parts() -> None:
+    tensors = {**mixed_tensors(), "model/big": torch.randn(300_000), "model/bigger": torch.randn(700_000)}
+    parts = encode_parts(tensors)
+    encoded = bytes(byte_view(encode_to_buffer(tensors)))
+    assert describe_parts(parts) == describe_buffer(encode_to_buffer(tensors))
+    chunks = [parse_chunk(message) for message in chunk_messages(parts)]
+    assert [c.seq for c in chunks] == list(range(codec.num_chunks(len(encoded))))
+    assert all(len(c.data) == CHUNK for c in chunks[:-1])
+    assert b"".join(bytes(c.data) for c in chunks) == encoded
 
 
 def test_small_chunks_are_accepted_too() -> None:

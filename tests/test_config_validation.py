@@ -41,6 +41,13 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "data.alpha": ("float", [0, -0.1, 0.0]),
     "data.min_size": ("int", [-1]),
     "data.holdout_fraction": ("float", [-0.1, 1, 1.5]),
+    "data.local_test_fraction": ("float", [-0.1, 1, 1.5]),
+    "data.max_samples_per_client": ("int", [-1]),
+    "data.source": ("str", ["Local", "folder", ""]),
+    "data.local_dir": ("str?", [""]),
+    "data.classes": ("strlist?", [[], ["one"], ["a", "a"], ["a/b", "c"], [" a", "b"], ["", "b"]]),
+    "data.image_size": ("int?", [0, -8]),
+    "data.channels": ("int?", [0, 2, 4]),
     "train.model": ("str", ["resnet50", ""]),
     "train.algorithm": ("str", ["sgd", "FedAvg", ""]),
     "train.rounds": ("int", [0, -1]),
@@ -53,6 +60,9 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "train.max_steps": ("int?", [-1]),
     "train.augment": ("bool", []),
     "train.eval_batch_size": ("int", [0]),
+    "train.evaluation": ("str", ["clients", "Server", ""]),
+    "train.eval_every": ("int", [0, -2]),
+    "train.fraction_evaluate": ("float", [0, -0.5, 1.01]),
     "train.algorithm_params": ("table", [{"mu": 0.1}, {"lr": 1}]),  # the default fedavg takes no parameter
     "generation.policy": ("str", ["balanced", ""]),
     "generation.beta": ("float", [0, -12]),
@@ -86,6 +96,9 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "runtime.wire_dtype": ("str", ["float64", "fp16", "FLOAT16", "int8", ""]),
     "runtime.data_plane": ("str", ["TCP", "udp", "http", ""]),
     "runtime.data_plane_min_bytes": ("int", [-1]),
+    "runtime.max_update_norm": ("float|str", [-1, -0.5, "AUTO", "off", "", "median"]),
+    "runtime.max_update_norm_factor": ("float", [1, 0.5, 0, -3, 1e7]),
+    "runtime.update_norm_action": ("str", ["drop", "CLIP", ""]),
     "sdafl.samples_per_client": ("int", [0]),
     "sdafl.tau": ("float", [-0.1, 1]),
     "sdafl.lambda2": ("float", [-1]),
@@ -156,6 +169,8 @@ def wrong_type_values(kind: str, rng: random.Random, count: int = 12) -> list[An
         "bool": ("str", "int", "fraction", "special", "list", "table", "none"),
         "str": ("int", "fraction", "special", "bool", "list", "table", "none"),
         "table": ("str", "int", "fraction", "special", "bool", "list", "none"),
+        "float|str": ("special", "bool", "list", "table", "none"),
+        "strlist": ("str", "int", "fraction", "special", "bool", "list", "table", "none"),  # "list": of integers
     }[kind.rstrip("?")]
     if kind.endswith("?"):
         wrong = tuple(name for name in wrong if name != "none")
@@ -201,7 +216,9 @@ def test_out_of_range_values_are_a_config_error_naming_the_key(key: str) -> None
     [("data.alpha", 1e-9), ("data.holdout_fraction", 0), ("runtime.quorum", 1), ("runtime.coordinator_port", 65535),
      ("runtime.rejoin_grace_s", 0), ("generation.guidance", 0), ("generation.generator", "[::1]:50051"),
      ("generation.budget", 0), ("train.max_steps", 0), ("seed", 2**32 - 1), ("sdafl.target_epsilon", 0),
-     ("generation.size", "ddpm-cifar"), ("train.model", "resnet18"), ("data.dataset", "cifar100")],
+     ("generation.size", "ddpm-cifar"), ("train.model", "resnet18"), ("data.dataset", "cifar100"),
+     ("runtime.max_update_norm", "auto"), ("runtime.max_update_norm", 0.0), ("runtime.max_update_norm", 1e-9),
+     ("runtime.max_update_norm_factor", 1e6), ("runtime.update_norm_action", "clip"), ("data.max_samples_per_client", 0)],
 )
 def test_values_at_the_edges_are_accepted(key: str, value: Any) -> None:
     cfg = from_dict(raw_with(key, value))
@@ -431,6 +448,12 @@ def test_fedeas_ablation_keys_read_from_set_and_change_the_fingerprint_only_off_
     assert content["generation"].pop("min_confidence") == 0.0  # the quality filter's, off
     content["generation"].pop("evaluate_per_class")  # scoring the generator after the run: never in the fingerprint
     content.pop("federate")  # the federated generator's section: in the fingerprint of a "ddpm" run only
+    assert content["data"].pop("local_test_fraction") == 0.0  # federated evaluation's keys, at their defaults
+    assert [content["train"].pop(key) for key in ("evaluation", "eval_every", "fraction_evaluate")] == ["server", 1, 1.0]
+    content["data"].pop("max_samples_per_client")  # who may register: never in the fingerprint
+    content["data"].pop("local_dir")  # where the launcher finds client folders: never in the fingerprint
+    for key, default in {"source": "split", "classes": None, "image_size": None, "channels": None}.items():
+        assert content["data"].pop(key) == default  # local data's keys, at their defaults (split mode)
     assert paper.fingerprint() == hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
     fingerprints = {paper.fingerprint(), ablated.fingerprint(),
                     load_config(None, ["generation.exponent=1.0"]).fingerprint(),
@@ -440,3 +463,17 @@ def test_fedeas_ablation_keys_read_from_set_and_change_the_fingerprint_only_off_
         load_config(None, ["generation.entropy_factor=no"])
     with pytest.raises(ConfigError, match=r"^generation\.exponent must be in \[0, 2.0\], got 3.0$"):
         load_config(None, ["generation.exponent=3"])
+
+
+def test_the_bounded_update_keys_leave_the_default_fingerprint_as_it_was() -> None:
+    assert load_config(None).fingerprint() == "a131c5ba3d48046d"  # the embedded default's, before the keys existed
+    assert load_config(None, ["runtime.max_update_norm=0", "runtime.update_norm_action=\"clip\"",
+                              "runtime.max_update_norm_factor=3", "data.max_samples_per_client=500"]).fingerprint() == "a131c5ba3d48046d"
+    bounded = {load_config(None, sets).fingerprint() for sets in (
+        ["runtime.max_update_norm=5"], ["runtime.max_update_norm=\"auto\""],
+        ["runtime.max_update_norm=\"auto\"", "runtime.max_update_norm_factor=3"],
+        ["runtime.max_update_norm=5", "runtime.update_norm_action=\"clip\""])}
+    assert len(bounded) == 4 and "a131c5ba3d48046d" not in bounded  # a bound changes results: a checkpoint must match it
+    cfg = load_config(None, ["runtime.max_update_norm=\"auto\""])
+    assert cfg.runtime.max_update_norm == "auto" and from_json(to_json(cfg)) == cfg
+    assert load_config(None, ["runtime.max_update_norm=7"]).runtime.max_update_norm == 7.0

@@ -52,7 +52,7 @@ def receive_task(stream: Iterator[pb.ServerMessage]) -> tuple[pb.Task, bytes]:
             continue
         assert kind == "task", f"expected a task, got {kind}: {message}"
         task = message.task
-        meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
+        meta = codec.meta_of(task.payload)
         if task.inline_payload:  # a payload that fits one chunk travels in its task
             return task, bytes(receive_inline(meta, task.inline_payload).numpy())
         chunks = []

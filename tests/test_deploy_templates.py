@@ -409,3 +409,25 @@ def test_kubernetes_probe_passes_over_mutual_tls_where_a_plaintext_grpc_probe_fa
         code = process.wait(timeout=30)
         log.close()
     assert code == EXIT_SIGTERM
+
+
+def test_every_client_mounts_only_its_own_data_read_only_in_local_mode() -> None:
+    """Local mode (each client its own folder, the coordinator none): compose mounts $FEDSYNTH_DATA_DIR/client-K into
+    client K's container alone, Kubernetes a data volume per client pod, systemd a folder per instance; --data names
+    the mount."""
+    assert run_toml()["data"]["source"] == "local"
+    doc = compose()
+    for name, (role, args) in compose_commands().items():
+        if role != "client":
+            assert all("FEDSYNTH_DATA_DIR" not in str(v) for v in doc["services"][name].get("volumes", [])), name
+            continue
+        mounts = {str(v).removesuffix(":ro").rpartition(":")[2]: str(v) for v in doc["services"][name]["volumes"]}
+        assert mounts[str(args.data[0])] == f"${{FEDSYNTH_DATA_DIR:?}}/client-{args.clients}:{args.data[0]}:ro", name
+    (clients,) = [d for d in resources() if d["kind"] == "StatefulSet"]
+    (container,) = clients["spec"]["template"]["spec"]["containers"]
+    _, args = container_command(container, "StatefulSet/fedsynth-client")
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == args.data[0]]
+    assert mount["readOnly"] is True
+    assert mount["name"] in {t["metadata"]["name"] for t in clients["spec"]["volumeClaimTemplates"]}  # one per pod
+    unit = read_unit(TEMPLATES / "systemd" / "fedsynth-client@.service")
+    assert "--data /var/lib/fedsynth/client-%i/data" in unit["Service"]["ExecStart"][0]

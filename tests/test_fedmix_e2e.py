@@ -51,7 +51,7 @@ def upload(stub: pb_grpc.CoordinatorStub, session: str, tensors: dict[str, np.nd
 
 def _take(stream: Iterator[pb.ServerMessage]) -> tuple[pb.Task, dict[str, dict[str, torch.Tensor]]]:
     task = next(m for m in stream if m.WhichOneof("kind") == "task").task
-    meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
+    meta = codec.meta_of(task.payload)
     if task.inline_payload:  # a payload that fits one chunk travels in its task
         return task, codec.split_prefixed(decode_views(receive_inline(meta, task.inline_payload)))
     chunks = []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,15 +23,6 @@ from generator_service.ddpm.model import (
 )
 from generator_service.ddpm.sampling import DdimSampler, ImageKey, SamplingConfig
 from generator_service.ddpm.training import TrainConfig, read_optimizer_state, train_generator
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Tiny models gain nothing from a second thread, and a crowded CPU makes two threads much slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_sizes_have_the_documented_parameter_counts() -> None:

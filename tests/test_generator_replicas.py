@@ -84,7 +84,7 @@ def test_a_clients_cache_from_two_replicas_equals_one_replicas(servers: list[Gen
     made = {}
     for name, target in (("one", f"127.0.0.1:{servers[0].port}"),
                          ("two", f"127.0.0.1:{servers[0].port},127.0.0.1:{servers[1].port}")):
-        options = SimpleNamespace(generator=target, credentials=None, cache_dir=tmp_path / name)
+        options = SimpleNamespace(generator=target, credentials=None, cache_dir=tmp_path / name, revoked=None, tls_files=None)
         made[name] = synthesize(cfg, 2, real_y, 10, [], options, ClientMetrics(CollectorRegistry()))
     assert made["one"].count == 59 + 55 + 60 * 6 + 30 and not made["two"].cache_hit
     assert made["two"].x.tobytes() == made["one"].x.tobytes() and made["two"].y.tolist() == made["one"].y.tolist()

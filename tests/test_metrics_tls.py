@@ -6,6 +6,7 @@ import http.client
 import socket
 import ssl
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from deploy.prometheus.render_targets import JOBS, write_targets
 from deploy.scrape import scrape, total
 from fedsynth import cli
 from fedsynth.errors import ConfigError
-from fedsynth.process.metrics import choose_metrics_tls, serve_metrics, serves_https
+from fedsynth.process.metrics import MAX_CONNECTIONS, choose_metrics_tls, serve_metrics, serves_https
 from fedsynth.wire.tls import TLSFiles
 from runtime_harness import START_TIMEOUT_S, wait_until
 from test_prometheus import Prometheus, free_port, tool
@@ -143,6 +144,76 @@ def test_scrape_reads_https_metrics_with_the_operator_pair(pki: Path, tmp_path: 
         other = provision(tmp_path / "other")
         with pytest.raises(OSError, match="CERTIFICATE_VERIFY_FAILED"):
             scrape(url, tls=TLSFiles.from_dir(other, "operator"))  # the scraper trusts another CA
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _connection_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name == "metrics-connection")
+
+
+def _ended_by_server(sock: socket.socket, *, trickle: bytes = b"", timeout_s: float = 60.0) -> bool:
+    """Whether the server closes this connection within timeout_s while the peer stays silent (or sends `trickle`,
+    one byte every 0.3 s: each read is quick, only a whole-request deadline ends it)."""
+    stop_at = time.monotonic() + timeout_s
+    sock.settimeout(0.3)
+    sent = 0
+    while time.monotonic() < stop_at:
+        try:
+            if not sock.recv(4096):
+                return True
+        except TimeoutError:
+            pass
+        except OSError:  # reset
+            return True
+        if trickle:
+            try:
+                sock.sendall(trickle[sent % len(trickle):][:1])
+            except OSError:
+                return True
+            sent += 1
+    return False
+
+
+def test_a_flood_of_idle_connections_holds_a_bounded_number_of_threads_and_a_scrape_still_succeeds(pki: Path) -> None:
+    """Four times the connection cap of silent TCP peers: no more than MAX_CONNECTIONS connection threads ever run,
+    a scrape with the operator's certificate is answered in the middle of the flood, and every idle peer is hung up on."""
+    registry = CollectorRegistry()
+    Counter("fedsynth_probe", "probe", registry=registry).inc(3)
+    server = serve_metrics(0, tls=TLSFiles.from_dir(pki, "generator"), registry=registry)
+    assert server is not None
+    port, idle, most = server.server_port, [], 0
+    try:
+        for _ in range(4 * MAX_CONNECTIONS):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=30))
+            most = max(most, _connection_threads())
+        wait_until(lambda: server.slots.open_count() == MAX_CONNECTIONS, timeout_s=30, what="the cap filled")
+        most = max(most, _connection_threads())
+        status, body = get(port, context(pki, "operator"))
+        assert status == 200 and "fedsynth_probe_total 3.0" in body
+        most = max(most, _connection_threads())
+        assert most <= MAX_CONNECTIONS
+        assert all(_ended_by_server(sock) for sock in idle)
+        wait_until(lambda: server.slots.open_count() == 0, timeout_s=30, what="every slot released")
+    finally:
+        for sock in idle:
+            sock.close()
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_trickling_peer_is_ended_at_the_request_deadline_not_per_read() -> None:
+    """Plain HTTP on loopback: a peer that sends its request line one byte every 0.3 s (every read well inside the
+    per-read timeout) is hung up on; the endpoint keeps answering."""
+    registry = CollectorRegistry()
+    server = serve_metrics(0, registry=registry)
+    assert server is not None
+    try:
+        with socket.create_connection(("127.0.0.1", server.server_port), timeout=30) as sock:
+            request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Padding: " + b"a" * 4000
+            assert _ended_by_server(sock, trickle=request)
+        assert get(server.server_port, None)[0] == 200
     finally:
         server.shutdown()
         server.server_close()

@@ -1,5 +1,6 @@
 """Multi-host FedEAS in network namespaces: five hosts on a private bridge with mutual TLS, then the same run
-behind a 100 ms one-way delay relay with 2% random loss. Plus the relay alone (no root needed)."""
+behind a 100 ms one-way delay relay with 2% random loss. Local mode: each client host gets only its own folder
+(`fedsynth data split`), the coordinator none. Plus the relay alone (no root needed)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ SETTINGS: dict[str, Any] = {
     "seed": 5,
     "data.dataset": "digits",
     "data.clients": CLIENTS,
+    "data.source": "local",  # each client host holds only its own folder; the coordinator holds no data
     "train.model": "cnn",
     "train.rounds": 2,
     "train.local_epochs": 1,
@@ -52,8 +54,9 @@ def _overrides() -> list[str]:
 
 
 def _planned_generation() -> dict[str, np.ndarray]:
-    """Images per class each client should generate: FedEAS from its own shard's label counts."""
-    cfg = load_config(None, _overrides())
+    """Images per class each client should generate: FedEAS from its own shard's label counts (the folders `data split`
+    writes hold split mode's shards)."""
+    cfg = load_config(None, [*_overrides(), 'data.source="split"'])
     return {
         str(k): fedeas_generation_row(np.bincount(client_shard(cfg, k).y, minlength=10), cfg.generation.beta)
         for k in range(CLIENTS)
@@ -94,6 +97,15 @@ def _train_tiny_generator(root: Path) -> Path:
     return out
 
 
+def _client_folders(root: Path) -> Path:
+    """One folder per client host, cut from digits with the run's seed (what each host would hold on its own disk)."""
+    out = root / "client-data"
+    subprocess.run(fedsynth_command("data", "split", "--dataset", "digits", "--clients", str(CLIENTS), "--alpha", "0.1",
+                                    "--seed", str(SETTINGS["seed"]), "--out", str(out)),
+                   check=True, capture_output=True, timeout=120)
+    return out
+
+
 def _start_in(lab: NetnsLab, group: ProcessGroup, host: str, role: str, argv: list[str], port_file: Path) -> tuple[Child, int]:
     """Start argv inside host's namespace and wait for the port it binds there."""
     child = group.start(role, lab.command(host, argv))
@@ -115,7 +127,8 @@ def _stop(child: Child) -> int:
     return child.process.wait(timeout=15)
 
 
-def _federated_run(lab: NetnsLab, group: ProcessGroup, tls: dict[str, Path], run: Path, generator: str, *, delayed: bool) -> dict:
+def _federated_run(lab: NetnsLab, group: ProcessGroup, tls: dict[str, Path], run: Path, generator: str, *, delayed: bool,
+                   data: Path) -> dict:
     """Coordinator and one client process per client host; returns coordinator.json once every process exited 0."""
     run.mkdir()
     name = run.name
@@ -132,7 +145,7 @@ def _federated_run(lab: NetnsLab, group: ProcessGroup, tls: dict[str, Path], run
         group.start(f"{name}-client-{k}", lab.command(f"client-{k}", fedsynth_command(
             "client", "--coordinator", coordinator_address, "--generator", generator, "--clients", str(k),
             "--tls-dir", str(tls[f"client-{k}"]), "--cache-dir", str(run / f"cache-{k}"), "--torch-threads", "1",
-            "--reconnect-timeout", "60", "--metrics-port", "-1",
+            "--reconnect-timeout", "60", "--metrics-port", "-1", "--data", str(data / f"client-{k}"),
         )))
         for k in range(CLIENTS)
     ]
@@ -150,6 +163,9 @@ def _federated_run(lab: NetnsLab, group: ProcessGroup, tls: dict[str, Path], run
 
 def _assert_generated_as_planned(record: dict, run: Path, planned: dict[str, np.ndarray]) -> None:
     assert record["success"] and len(record["rounds"]) == 2
+    # The coordinator holds no test set: every round's accuracy is the clients' federated one, from their own folders.
+    assert all(r["accuracy"] is not None and r["accuracy"] == r["federated_evaluation"]["weighted_accuracy"]
+               for r in record["rounds"])
     assert {k: v["images"] for k, v in record["generation"].items()} == {k: int(row.sum()) for k, row in planned.items()}
     assert sum(int(row.sum()) for row in planned.values()) > 0
     for k in range(CLIENTS):
@@ -170,6 +186,7 @@ def test_fedeas_across_namespaces_clean_then_delayed_and_lossy(tmp_path: Path) -
     assert not problems, "this test needs a Linux host with root, iproute2 and nftables (or iptables): " + "; ".join(problems)
     planned = _planned_generation()
     model = _train_tiny_generator(tmp_path)
+    data = _client_folders(tmp_path)
     lab = NetnsLab(HOSTS, prefix=PREFIX)
     group = ProcessGroup(tmp_path / "logs")
     try:
@@ -184,14 +201,14 @@ def test_fedeas_across_namespaces_clean_then_delayed_and_lossy(tmp_path: Path) -
                 ), generator_port_file)
                 generator = f"{lab.address('generator')}:{generator_port}"
                 started = time.monotonic()
-                clean = _federated_run(lab, group, tls, tmp_path / "clean", generator, delayed=False)
+                clean = _federated_run(lab, group, tls, tmp_path / "clean", generator, delayed=False, data=data)
                 clean_wall = time.monotonic() - started
 
                 for k in range(CLIENTS):
                     lab.add_loss(f"client-{k}", LOSS_PERCENT)
                 generator_relay, generator = _start_relay(lab, group, "generator", "generator-relay", generator_port, tmp_path)
                 started = time.monotonic()
-                delayed = _federated_run(lab, group, tls, tmp_path / "delayed", generator, delayed=True)
+                delayed = _federated_run(lab, group, tls, tmp_path / "delayed", generator, delayed=True, data=data)
                 delayed_wall = time.monotonic() - started
                 assert _stop(generator_relay) == 0
                 dropped = {k: lab.dropped_packets(f"client-{k}") for k in range(CLIENTS)}

@@ -202,6 +202,11 @@ SDAFL: dict[str, object] = {
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL], ids=["sigint", "sigkill"])
 def test_the_dpgan_child_dies_with_its_client(runtime: Runtime, tmp_path: Path, signum: int) -> None:
+    """... and the client's private shard is never on disk: not while its DP-GAN trains, not after a kill -9; a copy an
+    older version left behind is removed when the client starts."""
+    leftover = tmp_path / "cache" / "client-0000" / "sdafl-0123456789abcdef" / ".private-shard.npz"
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"images an older client left when it was killed")
     coordinator = runtime.coordinator(SDAFL, tmp_path / "run")
     client = runtime.clients(coordinator.address, "0")
 
@@ -211,12 +216,14 @@ def test_the_dpgan_child_dies_with_its_client(runtime: Runtime, tmp_path: Path, 
 
     [gan] = wait_until(dpgan, timeout_s=START_TIMEOUT_S, what="the client's DP-GAN child", interval_s=0.1)
     try:
+        assert f"removed {leftover}" in client.log_path.read_text()
+        assert alive(gan) and not list((tmp_path / "cache").rglob("*.npz"))  # training, its shard read from a pipe
         client.process.send_signal(signum)
         took = seconds_until(lambda: not alive(gan), timeout_s=30)
         assert took < 5.0, took
         print(f"DP-GAN child gone {took:.3f}s after {signal.Signals(signum).name} to its client")
         if signum == signal.SIGINT:
             assert wait_exit(client, 10) == EXIT_OK
-            assert not list((tmp_path / "cache").rglob(".private-shard.npz"))  # the copy of the private shard is gone
+        assert not list((tmp_path / "cache").rglob("*.npz"))
     finally:
         kill_all([gan])

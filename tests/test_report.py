@@ -82,3 +82,23 @@ def test_report_command_names_an_invalid_report(tmp_path: Path) -> None:
     (tmp_path / "report.json").write_text('{"success": true}')
     result = fedsynth("report", str(tmp_path))
     assert result.returncode == 1 and "has no 'rounds' list" in result.stderr
+
+
+def test_report_and_coordinator_record_say_what_made_the_run(run_dir: Path) -> None:
+    """The version block (fedsynth.process.provenance): this checkout's commit, the libraries, the machine."""
+    from fedsynth.process.provenance import PACKAGE_DIR
+
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PACKAGE_DIR, capture_output=True, text=True, check=False)
+    for name in ("report.json", "coordinator.json"):
+        version = json.loads((run_dir / name).read_text())["version"]
+        assert version["fedsynth"] == "0.1.0", name
+        assert version["python"] == ".".join(map(str, sys.version_info[:3])), name
+        assert set(version["packages"]) == {"torch", "grpcio", "diffusers", "opacus"}, name
+        assert version["packages"]["torch"] and version["packages"]["grpcio"], name
+        assert version["machine"]["cpu_count"] >= 1, name
+        assert "gpu" in version["machine"], name
+        if commit.returncode == 0:  # run from a checkout (CI and here): its commit
+            assert version["git"]["commit"] == commit.stdout.strip(), name
+            assert isinstance(version["git"]["dirty"], bool), name
+        else:
+            assert version["git"] is None, name

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -11,6 +13,8 @@ import pytest
 from sklearn.linear_model import LogisticRegression
 
 from coordinator import checkpoint
+from coordinator.sdafl_server import SdaflServer
+from fedsynth.errors import QuorumError, StateError
 from fedsynth.wire import codec
 from fedsynth.learning.data import load_dataset
 from fedsynth.wire.transfer import receive_inline
@@ -113,16 +117,23 @@ def test_bad_uploads_are_refused_and_never_enter_the_synthetic_set(runtime: Runt
             assert info.value.code() == code, name
             assert fragment in info.value.details(), (name, info.value.details())
 
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ReportSetupFailure(pb.SetupFailure(client_id=1, session="stale", reason="x"), timeout=30)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "session" in info.value.details()
         assert _upload(stub, reply.session, good, client_id=1).stored == 7
         with pytest.raises(grpc.RpcError) as info:
             _upload(stub, reply.session, good, client_id=1)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # uploaded once
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ReportSetupFailure(pb.SetupFailure(client_id=1, session=reply.session, reason="x"), timeout=30)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # a failure after its upload is a lie
+        assert "already uploaded" in info.value.details()
 
         # The first task's payload carries exactly the accepted samples: client 0's 40 and our 7.
         stream = stub.Subscribe(pb.SubscribeRequest(client_id=1, session=reply.session), timeout=300)
         task = next(m for m in stream if m.WhichOneof("kind") == "task").task
         chunks = ((m.chunk.seq, m.chunk.data) for m in stream if m.WhichOneof("kind") == "chunk")
-        meta = codec.PayloadMeta(task.payload.total_bytes, task.payload.sha256, task.payload.num_chunks)
+        meta = codec.meta_of(task.payload)
         payload = bytes(receive_inline(meta, task.inline_payload).numpy()) if task.inline_payload else codec.assemble(
             meta, _take(chunks, task.payload.num_chunks))
         groups = codec.split_prefixed(codec.decode(payload))
@@ -135,6 +146,51 @@ def test_bad_uploads_are_refused_and_never_enter_the_synthetic_set(runtime: Runt
     assert groups["synthetic"]["labels"].tolist() == [UNLABELLED] * 47
 
 
+# Starts `fedsynth client` with a file-size limit that the DP-GAN child inherits: it trains, then cannot write its
+# samples (EFBIG), as on a client whose disk quota is used up. The client's own log stays far below the limit.
+_WITH_FILE_SIZE_LIMIT = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536)); "
+                         "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
+@pytest.mark.slow
+def test_a_client_whose_dpgan_fails_tells_the_coordinator_which_goes_on_with_the_quorum(runtime: Runtime, tmp_path: Path) -> None:
+    """Client 1's DP-GAN fails (its samples, 2,000 x 64 bytes, exceed its 64 KiB file-size limit): it reports the
+    failure and exits 1; the coordinator stops waiting for its upload at once (registration_timeout_s is 900 s, far
+    past this test's deadlines) and plays the run with client 0's samples, naming the failure in its log."""
+    settings = {**SDAFL, "data.clients": 2, "train.rounds": 1, "runtime.quorum": 0.5, "sdafl.samples_per_client": 2000,
+                "runtime.registration_timeout_s": 900.0}
+    coordinator = runtime.coordinator(settings, tmp_path / "run")
+    runtime.clients(coordinator.address, "0")
+    failing = runtime.group.start("client-1", [sys.executable, "-c", _WITH_FILE_SIZE_LIMIT, "-m", "fedsynth.cli", "client",
+                                               "--coordinator", coordinator.address, "--clients", "1", "--torch-threads", "1",
+                                               "--cache-dir", str(tmp_path / "cache"), "--insecure"])
+    assert wait_exit(failing, 300) == 1
+    failure = "client 1: DP-GAN training failed: OSError: [Errno 27] File too large"
+    assert "told the coordinator that its DP-GAN failed" in failing.log_path.read_text()
+    assert coordinator.wait(timeout_s=300) == 0, coordinator.log()[-3000:]
+    log = coordinator.log()
+    assert "client 1 will upload no synthetic samples: DP-GAN training failed: OSError: [Errno 27] File too large" in log
+    assert f"going on with the synthetic samples of 1 of 2 clients (quorum 1); {failure}" in log
+    assert sorted(read_record(tmp_path / "run")["sdafl"]) == ["0"]
+
+
 def _take(iterator, count: int):
     for _ in range(count):
         yield next(iterator)
+
+
+def test_a_reported_dpgan_failure_ends_the_upload_wait_at_once_below_the_quorum() -> None:
+    """In process: with quorum 1.0 a reported failure ends the wait (its deadline an hour away) with QuorumError
+    naming the client and why; the failure after an upload is refused."""
+    cfg = config({**SDAFL, "data.clients": 3, "runtime.quorum": 1.0, "sdafl.track_agreement": False})
+    server = SdaflServer(cfg, (1, 8, 8), 10)
+    server.pool.add(0, np.zeros((4, 8, 8, 1), np.uint8), {"epsilon": 1.0, "delta": 1e-5, "noise_multiplier": 1.0, "gan_seconds": 0.1})
+    with pytest.raises(StateError, match="client 0 already uploaded"):
+        server.fail(0, "too late")
+    server.fail(2, "DP-GAN training failed: OSError: [Errno 28]\n No space left on device")
+    threading.Timer(0.2, server.fail, args=(1, "DP-GAN training failed: out of memory")).start()
+    with pytest.raises(QuorumError) as ended:
+        server.await_uploads([0, 1, 2], timeout_s=3600.0, need=3)
+    assert str(ended.value) == ("only 1 of 3 clients uploaded synthetic samples (quorum 3; client 1: DP-GAN training "
+                                "failed: out of memory; client 2: DP-GAN training failed: OSError: [Errno 28] No space "
+                                "left on device)")

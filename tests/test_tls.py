@@ -14,10 +14,12 @@ import pytest
 import torch
 from cryptography import x509
 from google.protobuf.descriptor import Descriptor
+from prometheus_client import CollectorRegistry
 
 from coordinator.server import CLAIMED_CLIENT_ID
 from deploy.processes import Child, ProcessGroup, fedsynth_command, wait_for_file
 from fedsynth import cli
+from fedsynth.wire.server_check import RevokedServer, ServerUnreachable, check_servers
 from fedsynth.wire import data_plane, grpcutil, tls
 from fedsynth.errors import ConfigError
 from fedsynth.generation.generator_client import GeneratorInfo
@@ -220,6 +222,57 @@ def test_every_rpc_that_names_a_client_is_checked_against_the_certificate() -> N
     service = pb.DESCRIPTOR.services_by_name["Coordinator"]
     assert {m.name for m in service.methods if names_a_client(m.input_type)} == set(CLAIMED_CLIENT_ID)
 
+def test_a_client_refuses_a_coordinator_whose_certificate_its_revocation_list_names(
+        guarded: tuple[str, Path], pki: Path, tmp_path: Path) -> None:
+    """`fedsynth client --revoked`: the coordinator's certificate (read in a handshake of the client's own) is revoked
+    there, so the client exits 1 naming it, before it registers."""
+    address, _ = guarded
+    revoked = tmp_path / "client-revoked.txt"
+    revoked.write_text(f"{serial_of(pki, 'coordinator')}  # the coordinator's key was stolen\n")
+    group = ProcessGroup(tmp_path / "logs")
+    try:
+        client = group.start("client", fedsynth_command(
+            "client", "--coordinator", address, "--clients", "1", "--cache-dir", str(tmp_path / "cache"),
+            "--tls-dir", str(pki), "--revoked", str(revoked), "--reconnect-timeout", "60"))
+        assert wait_exit(client, 120) == 1
+    finally:
+        group.stop_all(grace_s=3.0)
+    log = client.log_path.read_text()
+    assert (f"client 1: refusing the coordinator at {address}: certificate serial {serial_of(pki, 'coordinator')} of "
+            f"coordinator is revoked ({revoked})") in log
+    assert "registered" not in log
+
+
+def test_a_client_checks_every_generator_certificate_against_its_revocation_list(pki: Path, tmp_path: Path) -> None:
+    """check_servers, as the client node calls it before it asks a generator for images: a real TLS generator on
+    port 0, addressed as HOST:PORT and as dns:///NAME:PORT; by node id and by serial; a live edit of the list."""
+    threads = torch.get_num_threads()
+    model = tmp_path / "model"
+    save_generator(model, build_unet("tiny", num_classes=10, image_shape=(1, 8, 8), seed=0), make_train_scheduler(),
+                   GeneratorMetadata("digits", 10, (1, 8, 8), "tiny", training_steps=0, guidance=1.0, ddim_steps=2))
+    server = GeneratorServer(ServeConfig(model=model, metrics_port=-1, threads=1), registry=CollectorRegistry(),
+                             security=tls.ServerSecurity(tls.TLSFiles.from_dir(pki, "generator")))
+    revoked = tmp_path / "revoked.txt"
+    revoked.write_text("client-2\ncoordinator\n")
+    client = tls.TLSFiles.from_dir(pki, "client-0")
+    try:
+        port = server.start()
+        listed = tls.RevocationList(revoked)
+        for target in (f"127.0.0.1:{port}", f"dns:///localhost:{port}"):
+            assert [i.node_id for i in check_servers(target, client, listed, what="generator", timeout_s=10)] == ["generator"]
+        revoked.write_text(f"{serial_of(pki, 'generator')}\n")  # re-read on the next check
+        with pytest.raises(RevokedServer, match=f"refusing the generator at 127.0.0.1:{port}: certificate serial "):
+            check_servers(f"127.0.0.1:{port}", client, listed, what="generator", timeout_s=10)
+        revoked.write_text("generator\n")
+        with pytest.raises(RevokedServer, match="node generator is revoked"):
+            check_servers(f"dns:///localhost:{port}", client, listed, what="generator", timeout_s=10)
+    finally:
+        server.stop(0)
+    with pytest.raises(ServerUnreachable, match=f"cannot read the certificate of the generator at 127.0.0.1:{port}"):
+        check_servers(f"127.0.0.1:{port}", client, listed, what="generator", timeout_s=10)  # stopped: retried as a lost link
+        torch.set_num_threads(threads)
+
+
 # ---- a whole run over mutual TLS ------------------------------------------------------------------------------------
 
 
@@ -230,9 +283,10 @@ def test_two_clients_in_one_process_train_over_mutual_tls(pki: Path, tmp_path: P
     group = ProcessGroup(tmp_path / "logs")
     try:
         coordinator, address = start_coordinator(group, tmp_path, settings, "--tls-dir", str(pki))
+        (tmp_path / "revoked.txt").write_text("client-3\noperator\n")  # the client checks the coordinator: not listed
         clients = group.start("clients", fedsynth_command(
             "client", "--coordinator", address, "--clients", "0-1", "--cache-dir", str(tmp_path / "cache"),
-            "--tls-dir", str(pki), "--reconnect-timeout", "60"))
+            "--tls-dir", str(pki), "--reconnect-timeout", "60", "--revoked", str(tmp_path / "revoked.txt")))
         with grpcutil.make_channel(address, node_credentials(pki, "operator")) as channel:
             summaries = list(pb_grpc.CoordinatorStub(channel).WatchRounds(pb.WatchRequest(), timeout=120, wait_for_ready=True))
         assert wait_exit(coordinator, 60) == 0, coordinator.log_path.read_text()[-2000:]

@@ -109,7 +109,9 @@ class Aggregator:
 
     An update sent as deltas (runtime.wire_dtype float16 / bfloat16) has its floating-point tensors
     summed as they are; the global state is added back once, times those updates' total weight, in
-    the mean.
+    the mean. An update added with `scale` < 1 (clipped: coordinator.update_norms) moves the global
+    state `scale` times as far as it would: its floating-point differences from the global state,
+    and its extra tensors, are scaled.
 
     Subclasses extend `add_extra` / `finish_server_state` for algorithm tensors (SCAFFOLD); the base
     class rejects any non-empty `extra` and returns the server state unchanged.
@@ -119,10 +121,10 @@ class Aggregator:
         self._template = {key: (value.dtype, tuple(value.shape)) for key, value in global_state.items()}
         self._sums = float64_zeros({key: shape for key, (_, shape) in self._template.items()})
         self._scratches: list[torch.Tensor] = []  # where `fold` upcasts an update, a group of tensors at a time
-        self._global = global_state  # a reference (the round holds it anyway), read only for delta updates
+        self._global = global_state  # a reference (the round holds it anyway), read only for delta and clipped updates
         self._server_state = dict(server_state or {})
         self._total_weight = 0.0
-        self._delta_weight = 0.0  # total weight of the updates whose floats were deltas from the global state
+        self._global_weight = 0.0  # how many times the global state is added back into the floats' sum (delta and clipped updates)
         self._count = 0
 
     @property
@@ -134,25 +136,38 @@ class Aggregator:
     def total_weight(self) -> float:
         return self._total_weight
 
-    def add(self, state: StateDict, extra: StateDict, weight: float, *, layout_checked: bool = False, deltas: bool = False) -> None:
+    def add(self, state: StateDict, extra: StateDict, weight: float, *, layout_checked: bool = False, deltas: bool = False,
+            scale: float = 1.0) -> None:
         """Fold one client's state (weighted by its original dataset size N_k) into the running sum.
 
         layout_checked: the caller has already run `codec.check_like` against this round's global state (same keys,
         shapes and dtypes, all finite), a superset of this layout check, which is then not repeated.
-        deltas: the floating-point tensors are differences from the global state (integer ones stay absolute)."""
+        deltas: the floating-point tensors are differences from the global state (integer ones stay absolute).
+        scale: in (0, 1]; below 1 the update's floating-point differences from the global state (and its extra
+        tensors) count `scale` times (a clipped update); integer tensors count in full."""
         if isinstance(weight, bool) or not (isinstance(weight, numbers.Real) and math.isfinite(weight) and weight > 0):
             raise ValueError(f"aggregation weight must be a finite number > 0, got {weight!r}")
+        if not 0 < scale <= 1:
+            raise ValueError(f"an update's scale must be in (0, 1], got {scale!r}")
         if not layout_checked:
             check_same_layout(state, self._template, what="client state")
-        self.add_extra(extra)
-        keys = list(state)
+        self.add_extra(extra if scale == 1 else {key: value * scale if value.is_floating_point() else value for key, value in extra.items()})
+        values = {key: _on_cpu(value) for key, value in state.items()}
         if not self._scratches:
             self._scratches = fold_scratches(sum(total.numel() for total in self._sums.values()))
         with torch.no_grad():
-            fold(self._sums, {key: _on_cpu(state[key]) for key in keys}, float(weight), self._scratches)
+            if scale == 1:
+                fold(self._sums, values, float(weight), self._scratches)
+            else:  # sum += w * (global + scale * (x - global)): the global part joins the one added back in the mean
+                integers = {key: value for key, value in values.items() if not value.is_floating_point()}
+                fold(self._sums, {key: value for key, value in values.items() if key not in integers}, weight * scale, self._scratches)
+                if integers:
+                    fold(self._sums, integers, float(weight), self._scratches)
         self._total_weight += float(weight)
         if deltas:
-            self._delta_weight += float(weight)
+            self._global_weight += float(weight)
+        elif scale != 1:
+            self._global_weight += float(weight) * (1 - scale)
         self._count += 1
 
     def add_extra(self, extra: StateDict) -> None:
@@ -178,8 +193,8 @@ class Aggregator:
     def mean64(self, key: str) -> torch.Tensor:
         """The float64 weighted mean of one key, delta updates moved back onto the global state."""
         total = self._sums[key]
-        if self._delta_weight and self._template[key][0].is_floating_point:
-            total = total + self._delta_weight * self._global[key].to("cpu", torch.float64)
+        if self._global_weight and self._template[key][0].is_floating_point:
+            total = total + self._global_weight * self._global[key].to("cpu", torch.float64)
         return total / self._total_weight
 
     def finish_server_state(self) -> StateDict:

@@ -18,6 +18,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
 
 from fedsynth.errors import ConfigError
+from fedsynth.process.connection_slots import ConnectionSlots, Slot
 from fedsynth.process.runtime import write_atomic
 from fedsynth.wire.tls import LOOPBACK, AuthenticationError, RevocationList, TLSFiles, identity_of, is_loopback, ssl_server_context
 
@@ -26,8 +27,11 @@ log = logging.getLogger(__name__)
 # Seconds, from a fast RPC to a full local-training round on a CPU.
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
-# A connection must finish its TLS handshake (and then its request) within this; Prometheus's scrape timeout is 10 s.
-HANDSHAKE_TIMEOUT_S = 10.0
+# A connection must finish its TLS handshake and send its request within REQUEST_DEADLINE_S of being accepted, and is
+# ended RESPONSE_DEADLINE_S after it in any case (Prometheus's default scrape timeout); at most MAX_CONNECTIONS at once.
+REQUEST_DEADLINE_S = 2.0
+RESPONSE_DEADLINE_S = 10.0
+MAX_CONNECTIONS = 16
 
 
 def add_metrics_arguments(parser: argparse.ArgumentParser, *, default_port: int = -1, linger: bool = False) -> None:
@@ -81,16 +85,25 @@ def choose_metrics_tls(port: int, host: str, insecure: bool, files: TLSFiles | N
 
 
 class _QuietHandler(WSGIRequestHandler):
+    server: MetricsHTTPServer
+
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
         pass  # one line per scrape would drown the process's log
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()
+        self.server.request_read()
+        return parsed
 
 
 class MetricsHTTPServer(ThreadingMixIn, WSGIServer):
     """prometheus_client's WSGI app on a threading server. With TLS, the handshake runs in the connection's own thread
     (prometheus_client's start_http_server does it in the accept loop, where one idle connection stalls every scrape),
-    and the peer must hold a fedsynth node identity that is not revoked (else 403)."""
+    and the peer must hold a fedsynth node identity that is not revoked (else 403). At most MAX_CONNECTIONS threads,
+    each connection with a whole deadline (ConnectionSlots), so a flood of idle or trickling peers holds no more."""
 
     daemon_threads = True
+    request_queue_size = MAX_CONNECTIONS  # the kernel's backlog while the accept loop waits for a slot
 
     def __init__(self, host: str, port: int, registry: CollectorRegistry, context: ssl.SSLContext | None,
                  revoked: RevocationList | None) -> None:
@@ -103,18 +116,46 @@ class MetricsHTTPServer(ThreadingMixIn, WSGIServer):
         self._requests = threading.Condition()
         self._started = 0  # requests whose handling began (each gets the next number)
         self._answered_since = 0  # the highest such number whose handling ended
+        self.slots = ConnectionSlots(MAX_CONNECTIONS, request_s=REQUEST_DEADLINE_S, response_s=RESPONSE_DEADLINE_S)
+        self._connection = threading.local()  # the Slot of the connection this thread serves
         try:
             super().__init__((host, port), _QuietHandler)
         except OSError as exc:
             raise ConfigError(f"cannot serve /metrics on {host}:{port}: {exc.strerror}") from None
         self.set_app(make_wsgi_app(registry))
 
-    def process_request_thread(self, request: socket.socket, client_address: tuple[str, int]) -> None:  # type: ignore[override]
-        if self.context is not None:
-            secured = self._handshake(request, client_address)
-            if secured is None:
-                return
-            request = secured
+    def process_request(self, request: socket.socket, client_address: tuple[str, int]) -> None:  # type: ignore[override]
+        """In the accept loop: a slot first (waiting, or evicting an idle peer, at the cap), then the connection's thread."""
+        slot = self.slots.admit(request)
+        if slot is None:  # closing
+            self.shutdown_request(request)
+            return
+        threading.Thread(target=self._serve_connection, args=(request, client_address, slot),
+                         name="metrics-connection", daemon=True).start()
+
+    def _serve_connection(self, request: socket.socket, client_address: tuple[str, int], slot: Slot) -> None:
+        self._connection.slot = slot
+        try:
+            if self.context is not None:
+                secured = self._handshake(request, client_address)
+                if secured is None:
+                    return
+                request = secured
+            self._answer(request, client_address)
+        finally:
+            self.slots.release(slot)
+
+    def request_read(self) -> None:
+        """The handler has read a request's headers: its connection may take until the response deadline."""
+        slot = getattr(self._connection, "slot", None)
+        if slot is not None:
+            self.slots.mark_requested(slot)
+
+    def server_close(self) -> None:
+        super().server_close()
+        self.slots.close()
+
+    def _answer(self, request: socket.socket, client_address: tuple[str, int]) -> None:
         with self._requests:
             self._started += 1
             number = self._started
@@ -140,7 +181,7 @@ class MetricsHTTPServer(ThreadingMixIn, WSGIServer):
 
     def _handshake(self, raw: socket.socket, address: tuple[str, int]) -> ssl.SSLSocket | None:
         assert self.context is not None
-        raw.settimeout(HANDSHAKE_TIMEOUT_S)
+        raw.settimeout(RESPONSE_DEADLINE_S)  # per read; ConnectionSlots ends the whole handshake at REQUEST_DEADLINE_S
         conn = self.context.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
         try:
             conn.do_handshake()

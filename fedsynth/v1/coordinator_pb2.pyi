@@ -21,7 +21,7 @@ class RunSpec(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., num_clients: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("client_id", "num_samples", "fedeas_images", "missing_classes", "run_id", "synthetic_digest", "label_counts")
+    __slots__ = ("client_id", "num_samples", "fedeas_images", "missing_classes", "run_id", "synthetic_digest", "label_counts", "schema_digest", "image_channels", "image_size", "unknown_classes", "node_token")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     FEDEAS_IMAGES_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,11 @@ class RegisterRequest(_message.Message):
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SYNTHETIC_DIGEST_FIELD_NUMBER: _ClassVar[int]
     LABEL_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    NODE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     client_id: int
     num_samples: int
     fedeas_images: int
@@ -36,7 +41,12 @@ class RegisterRequest(_message.Message):
     run_id: str
     synthetic_digest: str
     label_counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, client_id: _Optional[int] = ..., num_samples: _Optional[int] = ..., fedeas_images: _Optional[int] = ..., missing_classes: _Optional[_Iterable[int]] = ..., run_id: _Optional[str] = ..., synthetic_digest: _Optional[str] = ..., label_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    schema_digest: str
+    image_channels: int
+    image_size: int
+    unknown_classes: _containers.RepeatedScalarFieldContainer[str]
+    node_token: str
+    def __init__(self, client_id: _Optional[int] = ..., num_samples: _Optional[int] = ..., fedeas_images: _Optional[int] = ..., missing_classes: _Optional[_Iterable[int]] = ..., run_id: _Optional[str] = ..., synthetic_digest: _Optional[str] = ..., label_counts: _Optional[_Iterable[int]] = ..., schema_digest: _Optional[str] = ..., image_channels: _Optional[int] = ..., image_size: _Optional[int] = ..., unknown_classes: _Optional[_Iterable[str]] = ..., node_token: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("session", "completed_rounds", "synthetic_uploaded", "mean_data_wanted", "data_port")
@@ -75,14 +85,16 @@ class HeartbeatReply(_message.Message):
     def __init__(self, connected: _Optional[bool] = ...) -> None: ...
 
 class Payload(_message.Message):
-    __slots__ = ("total_bytes", "sha256", "num_chunks")
+    __slots__ = ("total_bytes", "sha256", "num_chunks", "xxh3_128")
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    XXH3_128_FIELD_NUMBER: _ClassVar[int]
     total_bytes: int
     sha256: str
     num_chunks: int
-    def __init__(self, total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., num_chunks: _Optional[int] = ...) -> None: ...
+    xxh3_128: bytes
+    def __init__(self, total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., num_chunks: _Optional[int] = ..., xxh3_128: _Optional[bytes] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("seq", "data")
@@ -93,7 +105,7 @@ class Chunk(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("round", "task_id", "deadline_s", "generation_quota", "payload", "data_ticket", "inline_payload")
+    __slots__ = ("round", "task_id", "deadline_s", "generation_quota", "payload", "data_ticket", "inline_payload", "evaluate")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +113,7 @@ class Task(_message.Message):
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     DATA_TICKET_FIELD_NUMBER: _ClassVar[int]
     INLINE_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    EVALUATE_FIELD_NUMBER: _ClassVar[int]
     round: int
     task_id: str
     deadline_s: float
@@ -108,7 +121,8 @@ class Task(_message.Message):
     payload: Payload
     data_ticket: bytes
     inline_payload: bytes
-    def __init__(self, round: _Optional[int] = ..., task_id: _Optional[str] = ..., deadline_s: _Optional[float] = ..., generation_quota: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., data_ticket: _Optional[bytes] = ..., inline_payload: _Optional[bytes] = ...) -> None: ...
+    evaluate: bool
+    def __init__(self, round: _Optional[int] = ..., task_id: _Optional[str] = ..., deadline_s: _Optional[float] = ..., generation_quota: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., data_ticket: _Optional[bytes] = ..., inline_payload: _Optional[bytes] = ..., evaluate: _Optional[bool] = ...) -> None: ...
 
 class RunFinished(_message.Message):
     __slots__ = ("reason", "success", "exit_code")
@@ -287,3 +301,41 @@ class MeanDataChunk(_message.Message):
     header: MeanDataHeader
     chunk: Chunk
     def __init__(self, header: _Optional[_Union[MeanDataHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class EvaluationResult(_message.Message):
+    __slots__ = ("client_id", "session", "round", "task_id", "examples", "correct", "loss_sum", "class_correct", "class_total", "evaluate_seconds")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    CORRECT_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
+    CLASS_CORRECT_FIELD_NUMBER: _ClassVar[int]
+    CLASS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EVALUATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    session: str
+    round: int
+    task_id: str
+    examples: int
+    correct: int
+    loss_sum: float
+    class_correct: _containers.RepeatedScalarFieldContainer[int]
+    class_total: _containers.RepeatedScalarFieldContainer[int]
+    evaluate_seconds: float
+    def __init__(self, client_id: _Optional[int] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., examples: _Optional[int] = ..., correct: _Optional[int] = ..., loss_sum: _Optional[float] = ..., class_correct: _Optional[_Iterable[int]] = ..., class_total: _Optional[_Iterable[int]] = ..., evaluate_seconds: _Optional[float] = ...) -> None: ...
+
+class SetupFailure(_message.Message):
+    __slots__ = ("client_id", "session", "reason")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    session: str
+    reason: str
+    def __init__(self, client_id: _Optional[int] = ..., session: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SetupFailureReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

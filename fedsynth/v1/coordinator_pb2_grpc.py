@@ -74,6 +74,16 @@ class CoordinatorStub:
                 request_serializer=fedsynth_dot_v1_dot_coordinator__pb2.MeanDataChunk.SerializeToString,
                 response_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.UploadReply.FromString,
                 _registered_method=True)
+        self.SubmitEvaluation = channel.unary_unary(
+                '/fedsynth.v1.Coordinator/SubmitEvaluation',
+                request_serializer=fedsynth_dot_v1_dot_coordinator__pb2.EvaluationResult.SerializeToString,
+                response_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.SubmitReply.FromString,
+                _registered_method=True)
+        self.ReportSetupFailure = channel.unary_unary(
+                '/fedsynth.v1.Coordinator/ReportSetupFailure',
+                request_serializer=fedsynth_dot_v1_dot_coordinator__pb2.SetupFailure.SerializeToString,
+                response_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.SetupFailureReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -137,6 +147,22 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitEvaluation(self, request, context):
+        """Federated evaluation: a client's counts on its local test set for an evaluation task (Task.evaluate), and
+        nothing else: no example, no prediction, no per-example loss (docs/evaluation.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportSetupFailure(self, request, context):
+        """SDA-FL: a client whose DP-GAN failed says so at once instead of never uploading, so the coordinator goes on with
+        a quorum of uploads (or ends below it) without waiting out runtime.registration_timeout_s; the client then leaves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +205,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.UploadMeanData,
                     request_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.MeanDataChunk.FromString,
                     response_serializer=fedsynth_dot_v1_dot_coordinator__pb2.UploadReply.SerializeToString,
+            ),
+            'SubmitEvaluation': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitEvaluation,
+                    request_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.EvaluationResult.FromString,
+                    response_serializer=fedsynth_dot_v1_dot_coordinator__pb2.SubmitReply.SerializeToString,
+            ),
+            'ReportSetupFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportSetupFailure,
+                    request_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.SetupFailure.FromString,
+                    response_serializer=fedsynth_dot_v1_dot_coordinator__pb2.SetupFailureReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +433,60 @@ class Coordinator:
             '/fedsynth.v1.Coordinator/UploadMeanData',
             fedsynth_dot_v1_dot_coordinator__pb2.MeanDataChunk.SerializeToString,
             fedsynth_dot_v1_dot_coordinator__pb2.UploadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitEvaluation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedsynth.v1.Coordinator/SubmitEvaluation',
+            fedsynth_dot_v1_dot_coordinator__pb2.EvaluationResult.SerializeToString,
+            fedsynth_dot_v1_dot_coordinator__pb2.SubmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportSetupFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedsynth.v1.Coordinator/ReportSetupFailure',
+            fedsynth_dot_v1_dot_coordinator__pb2.SetupFailure.SerializeToString,
+            fedsynth_dot_v1_dot_coordinator__pb2.SetupFailureReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,4 +1,4 @@
-"""Tensors on the wire: safetensors bytes in chunks with a SHA-256, and validation against a template.
+"""Tensors on the wire: safetensors bytes in chunks with a checksum (XXH3-128, or an older sender's SHA-256), and validation against a template.
 
 Never pickle, never torch.load: safetensors parses only a JSON header and raw little-endian buffers.
 """
@@ -8,8 +8,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import xxhash
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
@@ -48,9 +50,37 @@ def num_chunks(total_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
 
 @dataclass(frozen=True)
 class PayloadMeta:
+    """A payload as its header announces it: size, chunk count and checksums (a receiver checks the XXH3-128 when
+    announced, else the SHA-256; fedsynth.wire.transfer)."""
+
     total_bytes: int
     sha256: str
     num_chunks: int
+    xxh3_128: bytes = b""
+
+
+def meta_of(payload: Any) -> PayloadMeta:
+    """The PayloadMeta of a `Payload` message (fedsynth.v1)."""
+    return PayloadMeta(payload.total_bytes, payload.sha256, payload.num_chunks, payload.xxh3_128)
+
+
+class Checksum:
+    """The digest a receiver checks, fed as bytes arrive: the XXH3-128 when announced, else the SHA-256 (an older
+    sender's); WireError when neither is (why XXH3 is enough: fedsynth.wire.transfer)."""
+
+    def __init__(self, meta: PayloadMeta) -> None:
+        if meta.xxh3_128:
+            self.hasher: Any = xxhash.xxh3_128()
+            self.announced = meta.xxh3_128.hex()
+        elif meta.sha256:
+            self.hasher, self.announced = hashlib.sha256(), meta.sha256
+        else:
+            raise WireError("the payload announces no checksum (neither xxh3_128 nor sha256)")
+
+    def check(self) -> None:
+        got = self.hasher.hexdigest()
+        if got != self.announced:
+            raise WireError(f"payload checksum {got[:12]}… does not match the announced {self.announced[:12]}…")
 
 
 def describe(data: bytes) -> PayloadMeta:
@@ -63,7 +93,7 @@ def assemble(meta: PayloadMeta, chunks: Iterable[tuple[int, bytes]], *, max_byte
         raise WireError(f"announced payload of {meta.total_bytes} bytes exceeds the limit of {max_bytes}")
     if meta.num_chunks != num_chunks(meta.total_bytes):
         raise WireError(f"announced {meta.num_chunks} chunks for {meta.total_bytes} bytes; expected {num_chunks(meta.total_bytes)}")
-    digest = hashlib.sha256()
+    digest = Checksum(meta)
     pieces: list[bytes] = []
     received = expected = 0
     for seq, data in chunks:
@@ -71,14 +101,13 @@ def assemble(meta: PayloadMeta, chunks: Iterable[tuple[int, bytes]], *, max_byte
             raise WireError(f"chunk {seq} arrived where chunk {expected} was expected")
         if len(data) > CHUNK_BYTES or received + len(data) > meta.total_bytes:
             raise WireError(f"chunk {seq} overruns the announced {meta.total_bytes} bytes")
-        digest.update(data)  # hash while the stream is still arriving, join once at the end
+        digest.hasher.update(data)  # hash while the stream is still arriving, join once at the end
         pieces.append(data)
         received += len(data)
         expected += 1
     if received != meta.total_bytes:
         raise WireError(f"payload ended after {received} of {meta.total_bytes} bytes ({expected} chunks)")
-    if digest.hexdigest() != meta.sha256:
-        raise WireError(f"payload checksum {digest.hexdigest()[:12]}… does not match the announced {meta.sha256[:12]}…")
+    digest.check()
     return b"".join(pieces)
 
 

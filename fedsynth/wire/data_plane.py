@@ -134,15 +134,24 @@ def read_status(sock: socket.socket) -> tuple[grpc.StatusCode, str]:
     return _CODES[number], read_exact(sock, size, "a status message").decode(errors="replace")
 
 
-def read_request(sock: socket.socket) -> tuple[int, bytes, bytes]:
-    """(op, ticket, header) of a request, or WireError naming what is malformed."""
-    magic, op, ticket, header_len = _REQUEST.unpack(read_exact(sock, _REQUEST.size, "the request"))
+REQUEST_BYTES = _REQUEST.size
+
+
+def parse_request(head: bytes) -> tuple[int, bytes, int]:
+    """(op, ticket, header length) of a request's first REQUEST_BYTES bytes, or WireError naming what is malformed."""
+    magic, op, ticket, header_len = _REQUEST.unpack(head)
     if magic != MAGIC:
         raise WireError(f"not a fedsynth data-plane request (magic {magic!r}, expected {MAGIC!r})")
     if op not in (FETCH, SUBMIT):
         raise WireError(f"unknown data-plane operation {op}")
     if header_len > MAX_HEADER_BYTES:
         raise WireError(f"request header of {header_len} bytes exceeds the limit of {MAX_HEADER_BYTES}")
+    return op, ticket, header_len
+
+
+def read_request(sock: socket.socket) -> tuple[int, bytes, bytes]:
+    """(op, ticket, header) of a request, or WireError naming what is malformed."""
+    op, ticket, header_len = parse_request(read_exact(sock, _REQUEST.size, "the request"))
     return op, ticket, read_exact(sock, header_len, "the request header")
 
 

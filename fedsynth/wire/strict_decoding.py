@@ -25,9 +25,10 @@ class _Malformed:
     error: str
 
 
-def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+def _tolerant(deserializer: Callable[[bytes], Any], parse_with: Callable[[bytes], Any] | None = None) -> Callable[[bytes], Any]:
     owner = getattr(deserializer, "__self__", None)  # generated code passes the bound Message.FromString
     type_name = getattr(owner, "__name__", "request")
+    deserializer = parse_with or deserializer
 
     def parse(data: bytes) -> Any:
         try:
@@ -49,7 +50,7 @@ def _checked_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> I
         yield request
 
 
-def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _wrap(handler: grpc.RpcMethodHandler, parse_with: Callable[[bytes], Any] | None = None) -> grpc.RpcMethodHandler:
     if handler.request_deserializer is None:
         return handler
     kind = ("stream" if handler.request_streaming else "unary") + "_" + ("stream" if handler.response_streaming else "unary")
@@ -63,25 +64,28 @@ def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
                 _reject(context, request)
             return behavior(request, context)
     serializer = handler.response_serializer
-    return handler._replace(request_deserializer=_tolerant(handler.request_deserializer),
+    return handler._replace(request_deserializer=_tolerant(handler.request_deserializer, parse_with),
                             response_serializer=serializer and passthrough(serializer), **{kind: wrapped})
 
 
 class _Registrar:
     """Stands in for the server while generated code registers its handlers, and rewrites them on the way."""
 
-    def __init__(self, server: grpc.Server) -> None:
+    def __init__(self, server: grpc.Server, parsers: dict[str, Callable[[bytes], Any]]) -> None:
         self.server = server
+        self.parsers = parsers
 
     def add_generic_rpc_handlers(self, handlers: Any) -> None:
         pass  # the registered method handlers below carry every method
 
     def add_registered_method_handlers(self, service_name: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-        strict = {name: _wrap(handler) for name, handler in handlers.items()}
+        strict = {name: _wrap(handler, self.parsers.get(name)) for name, handler in handlers.items()}
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, strict),))
         self.server.add_registered_method_handlers(service_name, strict)
 
 
-def add_strictly(add_servicer: Callable[[Any, Any], None], servicer: Any, server: grpc.Server) -> None:
-    """`add_strictly(pb_grpc.add_FooServicer_to_server, servicer, server)` instead of calling the generated adder."""
-    add_servicer(servicer, _Registrar(server))
+def add_strictly(add_servicer: Callable[[Any, Any], None], servicer: Any, server: grpc.Server,
+                 parsers: dict[str, Callable[[bytes], Any]] | None = None) -> None:
+    """`add_strictly(pb_grpc.add_FooServicer_to_server, servicer, server)` instead of calling the generated adder.
+    `parsers`: a method's request parser in place of the generated one (e.g. `raw_messages.parsing_chunks`)."""
+    add_servicer(servicer, _Registrar(server, parsers or {}))

@@ -344,9 +344,16 @@ class ServerSecurity:
     @classmethod
     def from_args(cls, args: argparse.Namespace, node_id: str) -> ServerSecurity:
         files = tls_files_from_args(args, node_id)
-        if files is None and args.revoked is not None:
-            raise ConfigError("--revoked needs mutual TLS (--tls-dir); with --insecure no peer has a certificate")
-        return cls(files, None if args.revoked is None else RevocationList(args.revoked))
+        return cls(files, revocation_from_args(args, files))
+
+
+def revocation_from_args(args: argparse.Namespace, files: TLSFiles | None) -> RevocationList | None:
+    """The --revoked list; a ConfigError with --insecure, where no peer has a certificate to revoke."""
+    if args.revoked is None:
+        return None
+    if files is None:
+        raise ConfigError("--revoked needs mutual TLS (--tls-dir); with --insecure no peer has a certificate")
+    return RevocationList(args.revoked)
 
 
 def is_loopback(host: str) -> bool:
@@ -370,6 +377,11 @@ def add_tls_arguments(parser: argparse.ArgumentParser, *, server: bool) -> None:
     if server:
         group.add_argument("--revoked", type=Path, metavar="FILE", help="revoked node ids (client-3) or certificate "
                            "serials (hex), one a line; checked on every RPC, re-read when the file changes")
+    else:
+        group.add_argument("--revoked", type=Path, metavar="FILE", help="revoked node ids (coordinator, generator, "
+                           "operator) or certificate serials (hex), one a line: the coordinator and generators this "
+                           "client dials are refused when their certificate is listed (checked on every connection "
+                           "and every task), and so are scrapers of its /metrics; re-read when the file changes")
 
 
 def tls_files_from_args(args: argparse.Namespace, node_id: str) -> TLSFiles | None:

@@ -95,6 +95,8 @@ class BackendSettings(Protocol):
     @property
     def seed(self) -> int | None: ...
     @property
+    def holdout_dir(self) -> Path | None: ...  # holdout in local mode: a folder of held-out images (data split's)
+    @property
     def prompt_template(self) -> str | None: ...  # text2image: "a photo of a {name}" when None
     @property
     def class_names_file(self) -> Path | None: ...  # text2image: one class name per line (npz needs one)

@@ -17,6 +17,8 @@ import numpy as np
 
 from fedsynth.learning.data import load_dataset
 from fedsynth.errors import ConfigError
+from fedsynth.learning.label_schema import SCHEMA_FILE, read_schema_file
+from fedsynth.learning.local_data import load_client_data
 from fedsynth.learning.partition import holdout_split
 from generator_service.backends import BackendDescription, BackendSettings, BackendSpec, Unservable
 
@@ -93,7 +95,30 @@ def load_holdout(dataset: str, *, fraction: float, seed: int, data_dir: str | Pa
     return HoldoutBackend(train.x, train.y, holdout, train.num_classes, description)
 
 
+def load_holdout_folder(folder: Path) -> HoldoutBackend:
+    """Serve a folder of held-out images as `fedsynth data split --holdout-fraction` writes it (OUT/holdout, its
+    schema.toml beside it): its images in the loader's canonical order, which for data split's folders is the order of
+    split mode's hold-out, so class c's j-th image for seed s is the one split mode serves."""
+    schema_file = next((f / SCHEMA_FILE for f in (folder, folder.parent) if (f / SCHEMA_FILE).is_file()), None)
+    if schema_file is None:
+        raise ConfigError(f"--holdout-dir {str(folder)!r}: no {SCHEMA_FILE} in it or beside it (names the classes)")
+    schema = read_schema_file(schema_file)
+    held = load_client_data(folder, schema, client_id=-1)
+    if held.unknown_classes:
+        raise ConfigError(f"--holdout-dir {str(folder)!r}: classes {list(held.unknown_classes)} are not in {schema_file}")
+    train = held.train
+    digest = hashlib.sha256(np.ascontiguousarray(train.x).tobytes())
+    digest.update(train.y.astype("<i8").tobytes())
+    description = BackendDescription(
+        backend="holdout", model_id=f"holdout-local-{digest.hexdigest()[:12]}", dataset="local",
+        num_classes=len(schema.classes), image_shape=train.image_shape, device="cpu", dtype="uint8",
+    )
+    return HoldoutBackend(train.x, train.y, np.arange(len(train.y)), len(schema.classes), description)
+
+
 def _load(config: BackendSettings) -> HoldoutBackend:
+    if config.holdout_dir is not None:
+        return load_holdout_folder(config.holdout_dir)
     assert config.dataset is not None and config.holdout_fraction is not None and config.seed is not None
     return load_holdout(config.dataset, fraction=config.holdout_fraction, seed=config.seed, data_dir=config.data_dir)
 

@@ -1,0 +1,84 @@
+"""Bounded updates (runtime.max_update_norm): how far a client's update moves the global model, and the verdict on one
+that moves it further than the bound: scaled down onto it ("clip") or left out of the round ("refuse").
+
+The norm is the L2 norm, accumulated in float64, of every floating-point tensor the update carries as a difference from
+the round's global model: the model's weights and floating-point buffers (BatchNorm's running statistics) minus the
+global ones (an update sent as float16 / bfloat16 deltas is that difference already), plus the algorithm's extra
+tensors, which are differences too (SCAFFOLD's delta c_i). Integer buffers (num_batches_tracked) are left out.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fedsynth.config import RuntimeConfig
+
+StateDict = dict[str, torch.Tensor]
+
+
+def update_norm(state: StateDict, extra: StateDict, global_state: StateDict, *, deltas: bool) -> float:
+    """The L2 distance the update moves the global model (see the module docstring for what it covers)."""
+    squares = 0.0
+    with torch.no_grad():
+        for key, value in state.items():
+            if value.is_floating_point():
+                difference = value if deltas else value - global_state[key].to(value.device, value.dtype)
+                squares += float(torch.linalg.vector_norm(difference, dtype=torch.float64)) ** 2
+        for value in extra.values():
+            if value.is_floating_point():
+                squares += float(torch.linalg.vector_norm(value, dtype=torch.float64)) ** 2
+    return math.sqrt(squares)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What becomes of one update: folded with its floating-point differences times `scale` (1 within the bound, below
+    1 clipped onto it), or refused (scale 0)."""
+
+    norm: float
+    bound: float
+    scale: float
+
+    @property
+    def action(self) -> str:
+        return "refused" if self.scale == 0 else "clipped" if self.scale < 1 else "accepted"
+
+    def describe(self, client_id: int, round_number: int) -> str:
+        return (f"round {round_number}: client {client_id}'s update has L2 norm {self.norm:.4g}, above the bound "
+                f"{self.bound:.4g} (runtime.max_update_norm): {self.action}")
+
+
+class NormBound:
+    """runtime.max_update_norm as the coordinator applies it. A number is checked as each update arrives; "auto" needs
+    the round's median, so the round's updates are held (received, not yet folded) until the round closes."""
+
+    def __init__(self, runtime: RuntimeConfig) -> None:
+        self.setting = runtime.max_update_norm
+        self.factor = runtime.max_update_norm_factor
+        self.action = runtime.update_norm_action
+
+    @property
+    def enabled(self) -> bool:
+        return self.setting != 0
+
+    @property
+    def auto(self) -> bool:
+        return self.setting == "auto"
+
+    def bound(self, norms: Sequence[float] = ()) -> float:
+        """The bound: the configured number, or (auto) factor times the median of `norms`, the round's update norms."""
+        if not self.auto:
+            return float(self.setting)
+        if not norms:
+            raise ValueError("an automatic bound needs the round's update norms")
+        return self.factor * statistics.median(norms)
+
+    def verdict(self, norm: float, bound: float) -> Verdict:
+        if norm <= bound:
+            return Verdict(norm, bound, 1.0)
+        return Verdict(norm, bound, 0.0 if self.action == "refuse" else bound / norm)

@@ -1,0 +1,119 @@
+"""Bounded updates: the norm an update is judged by, the verdicts, a clipped fold, and the N_k limit at registration."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.registry import ClientRegistry
+from coordinator.update_norms import NormBound, update_norm
+from fedsynth.algorithms.base import Aggregator
+from fedsynth.algorithms.scaffold import ScaffoldAggregator
+from fedsynth.config import load_config
+from fedsynth.errors import StateError
+from fedsynth.wire import wire_dtype
+
+StateDict = dict[str, torch.Tensor]
+
+
+def states(seed: int = 0) -> tuple[StateDict, StateDict]:
+    """(global, local): two float tensors and BatchNorm's integer counter."""
+    g = torch.Generator().manual_seed(seed)
+    global_state = {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g), "n": torch.tensor(5)}
+    local = {"w": global_state["w"] + 0.1 * torch.randn(4, 3, generator=g), "b": global_state["b"] + 0.1 * torch.randn(3, generator=g),
+             "n": torch.tensor(9)}
+    return global_state, local
+
+
+def bound(**runtime: object) -> NormBound:
+    return NormBound(load_config(None, [f"runtime.{k}={v!r}".replace("'", '"') for k, v in runtime.items()]).runtime)
+
+
+def test_the_norm_is_the_distance_of_every_float_tensor_from_the_global_model() -> None:
+    global_state, local = states()
+    expected = math.sqrt(sum(float(((local[k] - global_state[k]).double() ** 2).sum()) for k in ("w", "b")))  # not "n"
+    assert update_norm(local, {}, global_state, deltas=False) == pytest.approx(expected, rel=1e-12)
+    # the same update as float16 deltas: the same distance, up to float16's rounding of the differences
+    model, _ = wire_dtype.outgoing(local, {}, global_state, "float16")
+    assert update_norm(model, {}, global_state, deltas=True) == pytest.approx(expected, rel=1e-3)
+    # extra tensors (SCAFFOLD's delta c_i) are differences already: they count as they are
+    extra = {"w": torch.full((4, 3), 2.0)}
+    assert update_norm(local, extra, global_state, deltas=False) == pytest.approx(math.sqrt(expected**2 + 12 * 4.0), rel=1e-12)
+
+
+def test_a_number_clips_onto_the_bound_or_refuses() -> None:
+    clip = bound(max_update_norm=2.0, update_norm_action="clip")
+    assert clip.enabled and not clip.auto and clip.bound() == 2.0
+    assert clip.verdict(1.5, 2.0).action == "accepted" and clip.verdict(2.0, 2.0).scale == 1.0
+    clipped = clip.verdict(2000.0, 2.0)
+    assert clipped.action == "clipped" and clipped.scale == pytest.approx(1e-3)
+    assert "client 3" in clipped.describe(3, 7) and "round 7" in clipped.describe(3, 7) and "2000" in clipped.describe(3, 7)
+    refuse = bound(max_update_norm=2.0)  # the default action
+    assert refuse.verdict(2.5, 2.0).action == "refused" and refuse.verdict(2.5, 2.0).scale == 0.0
+    assert not bound().enabled  # off by default
+
+
+def test_auto_is_the_factor_times_the_median_of_the_rounds_norms() -> None:
+    auto = bound(max_update_norm="auto", max_update_norm_factor=5.0, update_norm_action="clip")
+    norms = [1.0, 1.2, 0.8, 1.1, 1000.0]  # one client sends 1,000 times the others' norm
+    assert auto.bound(norms) == pytest.approx(5.0 * 1.1)
+    verdicts = [auto.verdict(n, auto.bound(norms)) for n in norms]
+    assert [v.action for v in verdicts] == ["accepted"] * 4 + ["clipped"]
+    assert verdicts[-1].scale * 1000.0 == pytest.approx(5.5)
+    with pytest.raises(ValueError):
+        auto.bound([])
+
+
+@pytest.mark.parametrize("deltas", [False, True])
+def test_a_clipped_update_moves_the_global_model_scale_times_as_far(deltas: bool) -> None:
+    global_state, local = states()
+    _, other = states(seed=1)  # another client's new weights
+    scale = 0.25
+    aggregator = Aggregator(global_state)
+    sent = wire_dtype.outgoing(local, {}, global_state, "float16")[0] if deltas else local
+    aggregator.add(sent, {}, 3.0, deltas=deltas, scale=scale)
+    aggregator.add(other, {}, 1.0)
+    mean, _ = aggregator.finish()
+    for key in ("w", "b"):
+        clipped = global_state[key].double() + scale * (local[key].double() - global_state[key].double())
+        expected = (3.0 * clipped + 1.0 * other[key].double()) / 4.0
+        torch.testing.assert_close(mean[key].double(), expected, rtol=0, atol=1e-3 if deltas else 1e-6)
+    assert int(mean["n"]) == round((3 * 9 + 1 * 9) / 4)  # integer buffers are not scaled
+    with pytest.raises(ValueError, match="scale"):
+        aggregator.add(local, {}, 1.0, scale=0.0)
+
+
+def test_a_clipped_scaffold_update_scales_its_delta_c_too() -> None:
+    global_state, local = states()
+    server_state = {k: torch.zeros_like(v) for k, v in global_state.items() if v.is_floating_point()}
+    aggregator = ScaffoldAggregator(global_state, server_state, num_clients=2, global_lr=1.0)
+    aggregator.add(local, {"w": torch.full((4, 3), 8.0), "b": torch.full((3,), 8.0)}, 1.0, scale=0.5)
+    _, new_c = aggregator.finish()
+    torch.testing.assert_close(new_c["w"], torch.full((4, 3), 2.0))  # 0.5 * 8 / num_clients
+
+
+def registry(max_samples: int) -> tuple[ClientRegistry, CoordinatorMetrics]:
+    metrics = CoordinatorMetrics(CollectorRegistry())
+    return ClientRegistry(threading.Condition(threading.RLock()), metrics, run_id="r", num_clients=4, num_classes=10,
+                          max_samples=max_samples), metrics
+
+
+def register(reg: ClientRegistry, client_id: int, num_samples: int) -> str:
+    return reg.register(client_id, num_samples, 0, (), "r", data_fixed=False, has_synthetic=lambda _: False)
+
+
+def test_a_registration_above_max_samples_per_client_is_refused_naming_client_value_and_limit() -> None:
+    reg, metrics = registry(max_samples=500)
+    assert register(reg, 0, 500)  # at the limit: admitted
+    with pytest.raises(StateError, match=r"client 1 registered N_k=501 samples, above data\.max_samples_per_client=500"):
+        register(reg, 1, 501)
+    assert sorted(reg.clients) == [0]
+    refused = metrics.rejected_registrations.labels(reason="max_samples_per_client")._value.get()
+    assert refused == 1
+    unlimited, _ = registry(max_samples=0)
+    assert register(unlimited, 1, 10**9)

@@ -159,7 +159,8 @@ def export(cfg: RunConfig, run_dir: Path, out: Path, *, guidance: float, ddim_st
         "local_steps": cfg.federate.local_steps,
         "batch_size": cfg.federate.batch_size,
         "dataset": cfg.data.dataset,
-        "partition": {"kind": cfg.data.partition, "alpha": cfg.data.alpha},
+        "data_source": cfg.data.source,  # local: each client trained on its own folder (no partition was cut)
+        "partition": {"kind": cfg.data.partition, "alpha": cfg.data.alpha} if cfg.data.source == "split" else None,
         "size": size,
         "seed": cfg.seed,
         "init": cfg.federate.init,

@@ -216,14 +216,16 @@ class DdpmAggregator(Aggregator):
         self._sigma = algorithm.user_noise_multiplier() if self._user else 0.0
         self.norms: list[float] = []  # each update's norm before the server's clipping (dp user)
 
-    def add(self, state: StateDict, extra: StateDict, weight: float, *, layout_checked: bool = False, deltas: bool = False) -> None:
+    def add(self, state: StateDict, extra: StateDict, weight: float, *, layout_checked: bool = False, deltas: bool = False,
+            scale: float = 1.0) -> None:
         if not self._user:
-            super().add(state, extra, weight, layout_checked=layout_checked, deltas=deltas)
+            super().add(state, extra, weight, layout_checked=layout_checked, deltas=deltas, scale=scale)
             return
         if not layout_checked:
             check_same_layout(state, self._template, what="client state")
         difference = state if deltas else _difference(state, self._global)
-        clipped, norm = clip_update({key: value.to(torch.float64) if value.is_floating_point() else value
+        # scale < 1: runtime.max_update_norm clipped it first; the DP clip to S then bounds it as any other update
+        clipped, norm = clip_update({key: value.to(torch.float64) * scale if value.is_floating_point() else value
                                      for key, value in difference.items()}, self._algorithm.settings.clip)
         self.norms.append(norm)
         super().add(clipped, extra, 1.0, layout_checked=True, deltas=True)

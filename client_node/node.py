@@ -341,7 +341,8 @@ class LogicalClient:
         train_seconds = time.monotonic() - started
         self.state.algorithm_state = update.client_state
         self.metrics.train_seconds.observe(train_seconds)
-        self.metrics.samples_per_second.set(update.num_steps * cfg.train.batch_size / max(train_seconds, 1e-9))
+        batch_size = cfg.federate.batch_size if cfg.train.algorithm == "ddpm" else cfg.train.batch_size
+        self.metrics.samples_per_second.set(update.num_steps * batch_size / max(train_seconds, 1e-9))
 
         model_group, extra_group = wire_dtype.outgoing(update.state, update.extra, global_state, cfg.runtime.wire_dtype)
         outgoing = codec.join_prefixed(model=model_group, extra=extra_group)

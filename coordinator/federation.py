@@ -65,6 +65,10 @@ class Federation:
         self.schema = Schema(schema.digest() if schema is not None else "", channels, height)
         torch.manual_seed(cfg.seed)
         model = model_for(cfg, num_classes=num_classes, in_channels=channels, image_size=height)
+        if cfg.train.algorithm == "ddpm" and cfg.federate.init is not None:  # a warm start: round 1 begins from it
+            from fedsynth.learning.unet import load_initial_weights
+
+            load_initial_weights(model, Path(cfg.federate.init))
         self.state = RunState(model, algorithm, run_id=self.run_id, seed=cfg.seed)
         self.update_layout = wire_dtype.expected_layout(self.state.layout, cfg.runtime.wire_dtype)
         self.sdafl = SdaflServer(cfg, (channels, height, width), num_classes) if cfg.train.algorithm == "sdafl" else None
@@ -97,6 +101,12 @@ class Federation:
     @property
     def initial(self) -> dict[str, float]:
         return self.state.initial
+
+    def privacy_report(self) -> dict[str, Any] | None:
+        """The federated generator's privacy after the completed rounds (None for other algorithms)."""
+        if self.cfg.train.algorithm != "ddpm":
+            return None
+        return self.driver.algorithm.privacy_report(self.completed, *self.driver.participation())  # type: ignore[attr-defined, no-any-return]
 
     def run(self) -> None:
         """Play every remaining round; raises QuorumError when the run cannot go on."""

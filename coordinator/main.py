@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
             "rounds": federation.history,
             "generation": {str(k): v for k, v in sorted(federation.generation_reports().items())},
             "sdafl": federation.sdafl.privacy_report() if federation.sdafl is not None else None,
+            "privacy": federation.privacy_report(),
             "success": outcome.get("code") == EXIT_OK,
             "error": outcome.get("error"),
             "exit_code": int(outcome.get("code", EXIT_BELOW_QUORUM)),

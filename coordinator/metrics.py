@@ -55,6 +55,12 @@ class CoordinatorMetrics:
         self.accuracy = Gauge("fedsynth_coordinator_global_accuracy", "Test accuracy of the global model", **kw)
         self.loss = Gauge("fedsynth_coordinator_global_loss", "Test loss of the global model", **kw)
         self.current_round = Gauge("fedsynth_coordinator_round", "Last completed round", **kw)
+        # The federated generator's differential privacy (train.algorithm = "ddpm", federate.dp user or sample)
+        self.dp_epsilon = Gauge("fedsynth_coordinator_dp_epsilon", "Epsilon spent so far (dp sample: the largest client's)", **kw)
+        self.dp_delta = Gauge("fedsynth_coordinator_dp_delta", "The delta epsilon is accounted at", **kw)
+        self.dp_noise_multiplier = Gauge("fedsynth_coordinator_dp_noise_multiplier", "sigma: noise std / clipping bound", **kw)
+        self.dp_clip = Gauge("fedsynth_coordinator_dp_clip_norm", "S: the L2 bound of an update (user) or a gradient (sample)", **kw)
+        self.dp_sample_rate = Gauge("fedsynth_coordinator_dp_sample_rate", "q: clients per round / K (user) or batch / N_k (sample)", **kw)
         self.federated_accuracy = Gauge(
             "fedsynth_coordinator_federated_accuracy",
             "Federated evaluation of the last evaluated round, over the sampled clients' local test sets: weighted "
@@ -76,6 +82,11 @@ class CoordinatorMetrics:
             self.accuracy.set(summary["accuracy"])
             self.loss.set(summary["loss"])
         self.current_round.set(summary["round"])
+        privacy = summary.get("privacy") or {}
+        if privacy.get("epsilon") is not None:
+            for gauge, key in ((self.dp_epsilon, "epsilon"), (self.dp_delta, "delta"), (self.dp_noise_multiplier, "noise_multiplier"),
+                               (self.dp_clip, "clip"), (self.dp_sample_rate, "sample_rate")):
+                gauge.set(privacy[key])
         figures = summary.get("federated_evaluation")
         if figures is not None:
             self.federated_clients.set(figures["clients"])

@@ -33,6 +33,7 @@ from coordinator.update_norms import NormBound, Verdict
 from fedsynth.wire import codec, data_plane
 from fedsynth.algorithms.base import Algorithm, snapshot_state
 from fedsynth.allocation import assigned_quota
+from fedsynth.assembly import clients_per_round
 from fedsynth.config import RunConfig
 from fedsynth.errors import QuorumError
 from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_INTERNAL, EXIT_OK
@@ -112,7 +113,7 @@ class RoundDriver:
             if self.state.completed == 0 and not self.state.initial and self.server_evaluates:
                 # here, not before the server binds: ResNet-18 on CIFAR's 10,000 test images takes minutes on a CPU,
                 # while the clients load their data and register
-                loss, acc = evaluate(self.state.model, self.test_data, self.cfg.train.eval_batch_size)
+                loss, acc = self._evaluate(self.state.model)
                 self.state.initial = {"accuracy": acc, "loss": loss}
             self._await_registrations()
             runtime = self.cfg.runtime
@@ -216,7 +217,7 @@ class RoundDriver:
     def _play_round(self, number: int) -> None:
         state = self.state
         k = self.cfg.data.clients
-        m = max(1, round(self.cfg.train.fraction * k))
+        m = clients_per_round(self.cfg)
         sampled = sorted(int(c) for c in state.rng.choice(k, size=m, replace=False))
         global_state = self._closed_state if self._closed_state is not None else snapshot_state(state.model)
         self._closed_state = None
@@ -334,7 +335,7 @@ class RoundDriver:
         acc: float | None = None
         if self.server_evaluates:
             self._eval_model.load_state_dict(closed.saved.global_state, assign=True)  # shares the checkpoint's tensors
-            loss, acc = evaluate(self._eval_model, self.test_data, self.cfg.train.eval_batch_size)
+            loss, acc = self._evaluate(self._eval_model)
         figures = self.federated.collect(federated) if self.federated is not None and federated is not None else None
         if not self.server_evaluates and figures is not None:  # "federated": the round's accuracy is the clients'
             loss, acc = figures["loss"], figures["weighted_accuracy"]
@@ -353,6 +354,8 @@ class RoundDriver:
             **closed.sdafl_summary,
             **({"federated_evaluation": figures} if figures is not None else {}),
         }
+        if self.cfg.train.algorithm == "ddpm":  # the federated generator: epsilon so far, and the updates' norms
+            summary["privacy"] = self.algorithm.privacy_report(rnd.number, *self.participation(history=[*self.state.history, summary]))  # type: ignore[attr-defined]
         if self.norm_bound.enabled:
             summary["update_norms"] = {
                 "bound": rnd.norm_bound,
@@ -378,6 +381,23 @@ class RoundDriver:
             log.info("round %d: federated accuracy %s (weighted), mean %s, worst %s (client %s), p10 %s", rnd.number,
                      figures["weighted_accuracy"], figures["mean_accuracy"], figures["worst_accuracy"], figures["worst_client"],
                      figures["p10_accuracy"])
+
+    def _evaluate(self, model: torch.nn.Module) -> tuple[float, float]:
+        """(loss, accuracy) on the test set; an algorithm with an `evaluate` of its own (the generator's) decides."""
+        own = getattr(self.algorithm, "evaluate", None)
+        if own is not None:
+            return own(model, self.test_data, self.cfg.train.eval_batch_size)  # type: ignore[no-any-return]
+        return evaluate(model, self.test_data, self.cfg.train.eval_batch_size)
+
+    def participation(self, history: list[dict[str, Any]] | None = None) -> tuple[dict[int, int], dict[int, int]]:
+        """(rounds each client answered, each registered client's N_k): what per-client privacy accounting needs."""
+        answered: dict[int, int] = {}
+        for summary in self.state.history if history is None else history:
+            for client in summary["participants"]:
+                answered[client] = answered.get(client, 0) + 1
+        with self.lock:
+            sizes = {client: record.num_samples for client, record in self.registry.clients.items()}
+        return answered, sizes
 
     def _wait_for_answers(self, rnd: RoundInProgress) -> None:
         grace = self.cfg.runtime.rejoin_grace_s

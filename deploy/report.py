@@ -81,6 +81,8 @@ def build_report(
             "policy": config.get("generation", {}).get("policy"),
         },
         "sdafl": sdafl or None,
+        # the federated generator's differential privacy: dp, epsilon, delta, noise_multiplier, clip, sample_rate
+        "privacy": coordinator.get("privacy"),
         "wall_clock_s": wall_clock_s,
         "phases_s": phases,
         "bytes": {

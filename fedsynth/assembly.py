@@ -19,8 +19,19 @@ from fedsynth.learning.models import ProjectedModel, build_model
 from fedsynth.learning.partition import partition_for
 from fedsynth.learning.training import LocalTrainConfig
 
+FLIP_DATASETS = frozenset({"cifar10", "cifar100"})  # horizontal flips keep a natural image's class, not a digit's
+
+
+def clients_per_round(cfg: RunConfig) -> int:
+    """m: the clients the coordinator samples each round (without replacement)."""
+    return max(1, round(cfg.train.fraction * cfg.data.clients))
+
 
 def algorithm_for(cfg: RunConfig) -> Algorithm:
+    if cfg.train.algorithm == "ddpm":  # the federated generator: its settings are the [federate] section
+        return get_algorithm("ddpm", settings=cfg.federate, size=cfg.train.model.removeprefix("unet-"), clients=cfg.data.clients,
+                             clients_per_round=clients_per_round(cfg), rounds=cfg.train.rounds, seed=cfg.seed,
+                             flip=cfg.data.dataset in FLIP_DATASETS)
     params = dict(cfg.train.algorithm_params)
     if cfg.train.algorithm == "scaffold":
         params.setdefault("num_clients", cfg.data.clients)

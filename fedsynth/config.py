@@ -19,6 +19,7 @@ from fedsynth.config_schema import (
     DATA_SOURCES,
     DATASETS,
     DATA_PLANES,
+    DP_LEVELS,
     EVALUATIONS,
     GENERATOR_BACKENDS,
     GENERATOR_SIZES,
@@ -313,6 +314,46 @@ class RuntimeConfig(Section):
 
 
 @dataclass(frozen=True)
+class FederateConfig(Section):
+    """The federated class-conditional DDPM (train.algorithm = "ddpm", `fedsynth generator federate`):
+    local training, the server-side EMA and differential privacy (docs/federated-generator.md)."""
+
+    SECTION: ClassVar[str] = "federate"
+    local_steps: int = 50  # optimizer steps per client per round
+    batch_size: int = 64  # images per step (dp = "sample": the expected size of a Poisson-sampled logical batch)
+    lr: float | None = None  # AdamW; None: the size's, as `generator train` (GENERATOR_TRAIN_LR)
+    label_dropout: float = 0.1  # the null label's rate, for classifier-free guidance
+    # The server's EMA of the global model, per round, warmed up as diffusers' EMAModel: min(decay, (1 + r) / (10 + r))
+    ema_decay: float = 0.99
+    dp: str = "none"  # none | user (DP-FedAvg: clip each client's update, noise on the sum) | sample (DP-SGD on each client)
+    clip: float = 1.0  # S: the L2 bound of a client's update (user) or of one image's gradient (sample)
+    noise_multiplier: float = 1.0  # sigma, used when target_epsilon is not set
+    target_epsilon: float | None = None  # picks sigma (Opacus get_noise_multiplier) for the whole run
+    delta: float = 1e-5  # the DP delta epsilon is accounted at (dp user or sample)
+    accountant: str = "rdp"  # Opacus's: rdp or prv
+    noise_multiplicity: int = 1  # dp = "sample": diffusion noise draws per image inside one per-sample gradient (DPDM)
+    max_physical_batch: int = 64  # dp = "sample": Opacus BatchMemoryManager's physical batch (images)
+    init: str | None = None  # a generator folder to start from (public data only: docs/federated-generator.md)
+    secure_noise: bool = False  # unpredictable DP noise (a CSPRNG seed); runs stop being reproducible
+    device: str = "cpu"  # where clients train the UNet: cpu, cuda, or auto (cuda when the client node has one)
+
+    def check(self) -> None:
+        self.one_of("device", ("cpu", "cuda", "auto"))
+        self.at_least(1, "local_steps", "batch_size", "noise_multiplicity", "max_physical_batch")
+        self.above(0, "lr", "clip", "target_epsilon")
+        self.within("label_dropout", 0, 1, high_open=True)
+        self.within("ema_decay", 0, 1, high_open=True)
+        self.one_of("dp", DP_LEVELS)
+        self.one_of("accountant", ACCOUNTANTS)
+        self.within("delta", 0, 1, low_open=True, high_open=True)
+        self.non_empty("init")
+        if self.dp != "none" and self.target_epsilon is None:
+            self.above(0, "noise_multiplier")
+        else:
+            self.at_least(0, "noise_multiplier")
+
+
+@dataclass(frozen=True)
 class RunConfig(Section):
     """A run: its name, seed and output folder, then one table per section."""
 
@@ -324,11 +365,22 @@ class RunConfig(Section):
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     sdafl: SdaflConfig = field(default_factory=SdaflConfig)
+    federate: FederateConfig = field(default_factory=FederateConfig)
 
     def check(self) -> None:
         self.non_empty("name", "out_dir")
         self.within("seed", 0, MAX_SEED)
-        if self.data.source == "local" and self.train.evaluation != "federated":
+        unet = self.train.model.startswith("unet-")
+        if (self.train.algorithm == "ddpm") != unet:
+            raise ConfigError(f"train.model={self.train.model!r} with train.algorithm={self.train.algorithm!r}: the unet-* "
+                              "models are trained by the \"ddpm\" algorithm, and it trains nothing else")
+        if unet and self.generation.policy != "none":
+            raise ConfigError(f"generation.policy must be \"none\" when training a generator (train.algorithm = \"ddpm\"), "
+                              f"got {self.generation.policy!r}")
+        if unet and self.train.evaluation != "server":
+            raise ConfigError(f"train.evaluation must be \"server\" when training a generator (train.algorithm = \"ddpm\"): "
+                              f"the clients have no classifier to test, got {self.train.evaluation!r}")
+        if self.data.source == "local" and not unet and self.train.evaluation != "federated":
             raise ConfigError(f"train.evaluation must be \"federated\" when data.source = \"local\": the coordinator holds "
                               f"no test data, got {self.train.evaluation!r}")
 
@@ -353,6 +405,10 @@ class RunConfig(Section):
         if runtime["max_update_norm"] != 0:  # a bound may clip or refuse updates; off, old fingerprints hold
             content["update_norm"] = {key: runtime[key] for key in UPDATE_NORM_KEYS}
         content["train"].pop("rounds")
+        if content["train"]["algorithm"] != "ddpm":  # the section came later and changes only a generator's training
+            content.pop("federate")
+        elif content["federate"]["dp"] != "none" and content["federate"]["target_epsilon"] is not None:
+            content["federate"]["rounds"] = self.train.rounds  # sigma follows from (target, rounds): no extending
         for key, default in LATER_GENERATION_KEYS.items():  # keys that came later: at their defaults, old fingerprints hold
             if content["generation"][key] == default:
                 content["generation"].pop(key)
@@ -372,6 +428,7 @@ SECTIONS = {
     "generation": GenerationConfig,
     "runtime": RuntimeConfig,
     "sdafl": SdaflConfig,
+    "federate": FederateConfig,
 }
 
 
@@ -394,7 +451,8 @@ def from_dict(raw: dict[str, Any]) -> RunConfig:
     _require(isinstance(raw, dict), f"a run config must be a table, got {raw!r}")
     sections: dict[str, Any] = {}
     data, train = raw.get("data", {}), raw.get("train", {})
-    if isinstance(data, dict) and isinstance(train, dict) and data.get("source") == "local" and "evaluation" not in train:
+    if (isinstance(data, dict) and isinstance(train, dict) and data.get("source") == "local" and "evaluation" not in train
+            and train.get("algorithm") != "ddpm"):
         raw = {**raw, "train": {**train, "evaluation": "federated"}}  # local mode's default: the clients test
     for name, cls in SECTIONS.items():
         table = raw.get(name, {})

@@ -2,7 +2,7 @@
 
 The names and each algorithm's parameter bounds are defined HERE and nowhere else: the tables that serve them
 (fedsynth.learning.models' builders, fedsynth.algorithms.ALGORITHMS, generator_service.backends.BACKENDS,
-generator_service.ddpm.model.SIZES, ...) import them and check their keys with `require_names` when imported.
+fedsynth.learning.unet.SIZES, ...) import them and check their keys with `require_names` when imported.
 This module imports neither torch nor a role package, so reading a config loads neither.
 """
 
@@ -22,14 +22,17 @@ DATASETS = ("digits", "cifar10", "cifar100", "npz")  # fedsynth.learning.data
 POLICIES = ("none", "fedeas", "uniform", "missing", "full")  # fedsynth.allocation
 PARTITIONS = ("dirichlet", "iid")  # fedsynth.learning.partition
 ACCOUNTANTS = ("rdp", "prv")  # generator_service.dpgan (Opacus accountants)
-MODELS = ("cnn", "resnet18")  # fedsynth.learning.models.build_model
+# fedsynth.learning.models.build_model; the unet-* models are the class-conditional DDPM UNet of each generator size
+# (fedsynth.learning.unet), trained by the "ddpm" algorithm (`fedsynth generator federate`)
+MODELS = ("cnn", "resnet18", "unet-tiny", "unet-small", "unet-half", "unet-ddpm-cifar")
 GENERATOR_BACKENDS = ("ddpm", "holdout", "text2image")  # generator_service.backends; holdout: real held-out images
-GENERATOR_SIZES = ("tiny", "small", "half", "ddpm-cifar")  # generator_service.ddpm.model.SIZES
+GENERATOR_SIZES = ("tiny", "small", "half", "ddpm-cifar")  # fedsynth.learning.unet.SIZES
 # `generator train`'s default AdamW lr by size. 2e-3 trains the two CPU sizes in few steps; at 2e-3 "half" collapsed on
 # digits (after 1,500 steps it predicted ~0 noise and drew noise: docs/generator.md), so the DDPM-CIFAR layouts take
 # Ho et al.'s 2e-4. The launcher names the lr in a cached model's folder where it is not the 2e-3 of older folders.
 GENERATOR_TRAIN_LR = {"tiny": 2e-3, "small": 2e-3, "half": 2e-4, "ddpm-cifar": 2e-4}
 WIRE_DTYPES = ("float32", "float16", "bfloat16")  # fedsynth.wire.wire_dtype: the floats of client updates on the wire
+DP_LEVELS = ("none", "user", "sample")  # federate.dp: none, DP-FedAvg (a client's whole data), DP-SGD (one image)
 EVALUATIONS = ("server", "federated", "both")  # who tests the global model: the coordinator, the clients (counts), or both
 DATA_PLANES = ("grpc", "tcp")  # how model payloads travel: chunks on the gRPC streams, or fedsynth.wire.data_plane beside them
 UPDATE_NORM_ACTIONS = ("refuse", "clip")  # coordinator.update_norms: what becomes of an update past runtime.max_update_norm
@@ -91,6 +94,8 @@ ALGORITHM_PARAMS: dict[str, dict[str, Bound]] = {
     # The clients' regularizer weights and their per-round decay; the server's generator steps, batch and Adam lr.
     "fedgen": {"alpha": Bound(0), "beta": Bound(0), "decay": Bound(0, strict=True, high=1), "gen_steps": Bound(0, integer=True),
                "gen_batch_size": Bound(1, integer=True), "gen_lr": Bound(0, strict=True)},
+    # The federated class-conditional DDPM: its settings are the [federate] section's (fedsynth.config.FederateConfig).
+    "ddpm": {},
 }
 ALGORITHMS = tuple(ALGORITHM_PARAMS)
 

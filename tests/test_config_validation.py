@@ -118,6 +118,22 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "sdafl.server_lr": ("float", [0]),
     "sdafl.server_batch_size": ("int", [0]),
     "sdafl.track_agreement": ("bool", []),
+    "federate.local_steps": ("int", [0, -1]),
+    "federate.batch_size": ("int", [0]),
+    "federate.lr": ("float?", [0, -1e-3]),
+    "federate.label_dropout": ("float", [-0.1, 1]),
+    "federate.ema_decay": ("float", [-0.1, 1]),
+    "federate.dp": ("str", ["users", "", "DP"]),
+    "federate.clip": ("float", [0, -1]),
+    "federate.noise_multiplier": ("float", [-0.5]),
+    "federate.target_epsilon": ("float?", [0, -1]),
+    "federate.delta": ("float", [0, 1, -0.1, 2]),
+    "federate.accountant": ("str", ["gdp", ""]),
+    "federate.noise_multiplicity": ("int", [0]),
+    "federate.max_physical_batch": ("int", [0]),
+    "federate.init": ("str?", [""]),
+    "federate.secure_noise": ("bool", []),
+    "federate.device": ("str", ["gpu", "CUDA", ""]),
 }
 
 
@@ -431,6 +447,7 @@ def test_fedeas_ablation_keys_read_from_set_and_change_the_fingerprint_only_off_
     assert later in ({}, {"prompt_template": "a photo of a {name}", "class_names_file": None})  # text2image's, at defaults
     assert content["generation"].pop("min_confidence") == 0.0  # the quality filter's, off
     content["generation"].pop("evaluate_per_class")  # scoring the generator after the run: never in the fingerprint
+    content.pop("federate")  # the federated generator's section: in the fingerprint of a "ddpm" run only
     assert content["data"].pop("local_test_fraction") == 0.0  # federated evaluation's keys, at their defaults
     assert [content["train"].pop(key) for key in ("evaluation", "eval_every", "fraction_evaluate")] == ["server", 1, 1.0]
     content["data"].pop("max_samples_per_client")  # who may register: never in the fingerprint

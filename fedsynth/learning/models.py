@@ -1,4 +1,5 @@
-"""Classifier models shared by coordinator and clients: a small CNN and a CIFAR-style ResNet-18."""
+"""Models shared by coordinator and clients: a small CNN and a CIFAR-style ResNet-18 (classifiers), and the
+class-conditional DDPM UNet of each generator size (what `fedsynth generator federate` trains)."""
 
 from __future__ import annotations
 
@@ -123,10 +124,20 @@ def _resnet18(*, num_classes: int, in_channels: int, image_size: int) -> nn.Modu
     return CifarResNet18(num_classes=num_classes, in_channels=in_channels)
 
 
+def _unet(size: str) -> Callable[..., nn.Module]:
+    def build(*, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
+        from fedsynth.learning.unet import build_unet  # diffusers: only generator runs pay for it
+
+        return build_unet(size, num_classes=num_classes, image_shape=(in_channels, image_size, image_size), seed=None)
+
+    return build
+
+
 # One builder per name in MODELS (fedsynth.config_schema, where the config check reads them without torch).
 _BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "cnn": _cnn,
     "resnet18": _resnet18,
+    **{name: _unet(name.removeprefix("unet-")) for name in MODELS if name.startswith("unet-")},
 }
 require_names("fedsynth.learning.models' builders", _BUILDERS, MODELS)
 
@@ -134,7 +145,7 @@ require_names("fedsynth.learning.models' builders", _BUILDERS, MODELS)
 def build_model(name: str, *, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
     """Build model `name` (one of MODELS) for square images of `image_size` pixels.
 
-    Every model has `features(x) -> N x D`, `head(rep) -> logits` and `forward = head(features(x))`.
+    Every classifier has `features(x) -> N x D`, `head(rep) -> logits` and `forward = head(features(x))`.
     Weights come from torch's global RNG, so `torch.manual_seed(s)` right before this call makes the
     initialization reproducible (the coordinator seeds it and ships the weights to clients).
     """

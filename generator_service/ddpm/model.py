@@ -11,80 +11,13 @@ from typing import Any
 import torch
 from diffusers import DDPMScheduler, UNet2DModel
 
-from fedsynth.config_schema import GENERATOR_SIZES, require_names
 from fedsynth.errors import ConfigError
+# The sizes, builder and schedule live in the shared library (federated clients train the same UNet); re-exported here.
+from fedsynth.learning.unet import NUM_TRAIN_TIMESTEPS, SIZES, WEIGHTS_FILE, UNetSize, build_unet, make_train_scheduler, parameter_count  # noqa: F401
 from fedsynth.generation.generator_names import METADATA_FILE
 from fedsynth.process.runtime import write_atomic
 
-WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
 METADATA_FORMAT = 1
-NUM_TRAIN_TIMESTEPS = 1000
-
-
-@dataclass(frozen=True)
-class UNetSize:
-    """One UNet layout: channels per level, residual blocks per level, and which levels have self-attention."""
-
-    block_out_channels: tuple[int, ...]
-    layers_per_block: int
-    attention_levels: tuple[int, ...]
-    norm_num_groups: int
-    dropout: float
-
-
-# "tiny" has two levels (8x8 -> 4x4 for digits, attention at 4x4) so 8x8 images need no padding; it has
-# ~0.7M parameters and trains on digits on a CPU in minutes. "ddpm-cifar" is Ho et al.'s CIFAR-10 layout
-# (ch 128, mult 1-2-2-2, 2 res blocks, attention at 16x16, dropout 0.1): 35.7M parameters. "half" is that
-# layout at half width (~9M). Their three down-samplings need a side divisible by 8 (32 -> 4). "small" is the
-# CPU recipe for 32x32 data: a third level (8x8, 128 channels) with the attention moved there, so a training step
-# costs what tiny's does (attention over 64 positions instead of 256) for 4x the parameters and a receptive field
-# that spans the image; ~2.7M parameters (docs/generator.md, "A CPU recipe for CIFAR-10").
-SIZES: dict[str, UNetSize] = {
-    "tiny": UNetSize((32, 64), 1, (1,), 8, 0.0),
-    "small": UNetSize((32, 64, 128), 1, (2,), 8, 0.0),
-    "half": UNetSize((64, 128, 128, 128), 2, (1,), 32, 0.1),
-    "ddpm-cifar": UNetSize((128, 256, 256, 256), 2, (1,), 32, 0.1),
-}
-require_names("generator_service.ddpm.model.SIZES", SIZES, GENERATOR_SIZES)  # the names the config check offers
-
-
-def build_unet(size: str, *, num_classes: int, image_shape: tuple[int, int, int], seed: int = 0) -> UNet2DModel:
-    """A freshly initialised UNet; class index num_classes is the null label used for classifier-free guidance."""
-    if size not in SIZES:
-        raise ConfigError(f"unknown generator size {size!r}; expected one of {', '.join(SIZES)}")
-    if num_classes < 1:
-        raise ConfigError(f"num_classes must be >= 1, got {num_classes}")
-    layout = SIZES[size]
-    channels, height, width = image_shape
-    factor = 2 ** (len(layout.block_out_channels) - 1)
-    if height != width or height % factor:
-        raise ConfigError(f"size {size!r} needs square images with a side divisible by {factor}, got {height}x{width}")
-    levels = range(len(layout.block_out_channels))
-    down = tuple("AttnDownBlock2D" if i in layout.attention_levels else "DownBlock2D" for i in levels)
-    up = tuple("AttnUpBlock2D" if i in layout.attention_levels else "UpBlock2D" for i in reversed(levels))
-    torch.manual_seed(seed)
-    return UNet2DModel(
-        sample_size=height,
-        in_channels=channels,
-        out_channels=channels,
-        block_out_channels=layout.block_out_channels,
-        layers_per_block=layout.layers_per_block,
-        down_block_types=down,
-        up_block_types=up,
-        norm_num_groups=layout.norm_num_groups,
-        dropout=layout.dropout,
-        attention_head_dim=None,  # one head per attention layer, as in DDPM
-        num_class_embeds=num_classes + 1,
-    )
-
-
-def make_train_scheduler() -> DDPMScheduler:
-    """DDPM's linear beta schedule over 1000 steps, predicting the noise; samples are clipped to [-1, 1]."""
-    return DDPMScheduler(num_train_timesteps=NUM_TRAIN_TIMESTEPS, beta_schedule="linear", prediction_type="epsilon")
-
-
-def parameter_count(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
 
 
 @dataclass(frozen=True)

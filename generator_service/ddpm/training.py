@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from diffusers import UNet2DModel
 from diffusers.training_utils import EMAModel
 from safetensors import safe_open
@@ -21,6 +20,7 @@ from tqdm import tqdm
 from fedsynth.config_schema import GENERATOR_TRAIN_LR
 from fedsynth.config_schema import DATASETS
 from fedsynth.learning.data import load_dataset
+from fedsynth.learning.unet import denoising_loss, noised_batch
 from fedsynth.errors import ConfigError
 from fedsynth.process.runtime import write_atomic
 from generator_service.ddpm.grid import save_class_grid
@@ -204,16 +204,12 @@ def _train(cfg: TrainConfig) -> Path:
         x0 = images[idx].float().div(127.5).sub(1.0)
         if flip:
             x0 = torch.where(torch.rand(cfg.batch_size, 1, 1, 1, generator=g) < 0.5, x0.flip(3), x0)
-        labels = torch.from_numpy(data.y)[idx]
-        labels = torch.where(torch.rand(cfg.batch_size, generator=g) < cfg.label_dropout, data.num_classes, labels)
-        noise = torch.randn(x0.shape, generator=g)
-        t = torch.randint(scheduler.config.num_train_timesteps, (cfg.batch_size,), generator=g)
-        x0, labels, noise, t = x0.to(device), labels.to(device), noise.to(device), t.to(device)
-        noisy = scheduler.add_noise(x0, noise, t)
+        noisy, t, labels, noise = noised_batch(scheduler, x0.to(device), torch.from_numpy(data.y)[idx],
+                                               num_classes=data.num_classes, label_dropout=cfg.label_dropout, generator=g)
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
         with autocast:
-            loss = F.mse_loss(unet(noisy, t, class_labels=labels).sample.float(), noise)
+            loss = denoising_loss(unet, noisy, t, labels, noise)
         why = guard.check(step, loss.item())
         if why:
             bar.close()
@@ -227,7 +223,7 @@ def _train(cfg: TrainConfig) -> Path:
         bar.set_postfix(loss=f"{guard.smoothed:.4f}")
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
             with torch.no_grad(), autocast:  # the step's loss judged the weights before it, not after
-                after = F.mse_loss(unet(noisy, t, class_labels=labels).sample.float(), noise).item()
+                after = denoising_loss(unet, noisy, t, labels, noise).item()
             if not math.isfinite(after):
                 bar.close()
                 raise _diverged(cfg, out, f"the weights after step {step + 1} give a loss of {after}, so they were not saved")

@@ -16,11 +16,11 @@ from prometheus_client import CollectorRegistry
 
 from fedsynth.wire import grpcutil
 from fedsynth.config import load_config
+from fedsynth.config_schema import CIFAR10_CLASSES
 from fedsynth.errors import ConfigError
 from fedsynth.generation.generator_client import GeneratorInfo
 from fedsynth.v1 import generator_pb2, generator_pb2_grpc
 from generator_service.backends.text2image import (
-    CIFAR10_NAMES,
     check_template,
     class_names,
     load_text2image,
@@ -183,7 +183,7 @@ def test_device_seconds_and_images_are_counted(served: tuple[GeneratorServer, gr
 
 def test_prompts_come_from_the_class_names_and_template(model_dir: Path, tmp_path: Path) -> None:
     backend = load_text2image(model_dir, dataset="cifar10", batch_size=2, steps=1, template="a {name}, blurry")
-    assert backend.prompts[1] == "a automobile, blurry" and len(backend.prompts) == len(CIFAR10_NAMES)
+    assert backend.prompts[1] == "a automobile, blurry" and len(backend.prompts) == len(CIFAR10_CLASSES)
     assert backend.description.image_shape == (3, 32, 32)
     images = backend.sample([ImageKey(0, 3, 0), ImageKey(0, 9, 1)])
     assert images.shape == (2, 32, 32, 3) and images.dtype == np.uint8

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from fedsynth.config import DEFAULT_PROMPT_TEMPLATE, check_prompt_template
+from fedsynth.config_schema import CIFAR10_CLASSES, CIFAR100_CLASSES
 from fedsynth.errors import ConfigError
 from generator_service.backends import BackendDescription, BackendSettings, BackendSpec
 
@@ -29,23 +30,13 @@ DEFAULT_STEPS = 4  # SD-turbo / SDXL-turbo style: 1-4 steps, no guidance; ordina
 DEFAULT_GUIDANCE = 0.0  # w, as for ddpm: diffusers' guidance_scale = 1 + w (<= 1 turns classifier-free guidance off)
 PIPELINE_INDEX = "model_index.json"  # what pipeline.save_pretrained(DIR) writes first
 
-CIFAR10_NAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
-CIFAR100_NAMES = tuple("""
-apple aquarium_fish baby bear beaver bed bee beetle bicycle bottle bowl boy bridge bus butterfly camel can castle
-caterpillar cattle chair chimpanzee clock cloud cockroach couch crab crocodile cup dinosaur dolphin elephant flatfish
-forest fox girl hamster house kangaroo keyboard lamp lawn_mower leopard lion lizard lobster man maple_tree motorcycle
-mountain mouse mushroom oak_tree orange orchid otter palm_tree pear pickup_truck pine_tree plain plate poppy porcupine
-possum rabbit raccoon ray road rocket rose sea seal shark shrew skunk skyscraper snail snake spider squirrel streetcar
-sunflower sweet_pepper table tank telephone television tiger tractor train trout tulip turtle wardrobe whale
-willow_tree wolf woman worm""".split())  # torchvision's CIFAR-100 fine-label order (its batches.meta, sorted)
 DIGIT_NAMES = tuple(f"handwritten digit {d}" for d in range(10))
 # name -> (class names, (channels, height, width)); npz takes its shape from the data and its names from a file.
 BUILT_IN: dict[str, tuple[tuple[str, ...], tuple[int, int, int]]] = {
     "digits": (DIGIT_NAMES, (1, 8, 8)),
-    "cifar10": (CIFAR10_NAMES, (3, 32, 32)),
-    "cifar100": (CIFAR100_NAMES, (3, 32, 32)),
+    "cifar10": (CIFAR10_CLASSES, (3, 32, 32)),
+    "cifar100": (CIFAR100_CLASSES, (3, 32, 32)),
 }
-assert len(CIFAR100_NAMES) == 100
 
 
 def check_template(template: str) -> None:

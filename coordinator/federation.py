@@ -38,6 +38,7 @@ from fedsynth.algorithms.fedgen import FedGen, head_keys
 from fedsynth.assembly import algorithm_for, model_for
 from fedsynth.config import RunConfig
 from fedsynth.learning.data import load_dataset
+from fedsynth.learning.local_data import load_test_dir
 from fedsynth.learning.label_schema import schema_of
 from fedsynth.errors import StateError
 from fedsynth.learning.evaluation import EvaluationCounts
@@ -55,9 +56,13 @@ class Federation:
         self.run_id = cfg.fingerprint()
         algorithm = algorithm_for(cfg)
         schema = schema_of(cfg.data)
-        test_data: TrainData | None = None  # local mode: the coordinator holds no data, so no server evaluation
+        test_data: TrainData | None = None  # local mode without data.test_dir: the coordinator holds no data
         if cfg.data.source == "local" and schema is not None:
             num_classes, (channels, height, width) = len(schema.classes), (schema.channels, schema.image_size, schema.image_size)
+            if cfg.data.test_dir is not None:
+                test = load_test_dir(cfg.data.test_dir, schema, cache_dir=out_dir / "test-dir-cache")
+                test_data = TrainData(images_to_tensor(test.x), torch.as_tensor(test.y))
+                log.info("server evaluation on %d test images from data.test_dir %s", len(test.y), cfg.data.test_dir)
         else:
             test = load_dataset(cfg.data.dataset, "test", data_dir=cfg.data.data_dir, download=cfg.data.download)
             test_data = TrainData(images_to_tensor(test.x), torch.as_tensor(test.y))

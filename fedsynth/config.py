@@ -76,6 +76,9 @@ class DataConfig(Section):
     # own folder (`fedsynth client --data`; the launcher passes `local_dir`/client-<k>) and the coordinator holds none.
     source: str = "split"
     local_dir: str | None = None  # the launcher's folder of client-<k>/ folders (`fedsynth data split --out`)
+    # Local mode: the coordinator's own test data (<class name>/ folders of images, directly or under test/, or an
+    # .npz), for server evaluation; without it the coordinator holds no data and the clients evaluate (federated).
+    test_dir: str | None = None
     # The federation's label schema: class names in label order, square image side, channels. Left out, the built-in
     # dataset's (digits: "0".."9", 8, 1; cifar10/cifar100: their names, 32, 3).
     classes: tuple[str, ...] | None = None
@@ -84,7 +87,10 @@ class DataConfig(Section):
 
     def check(self) -> None:
         self.one_of("dataset", DATASETS)
-        self.non_empty("data_dir", "local_dir")
+        self.non_empty("data_dir", "local_dir", "test_dir")
+        if self.test_dir is not None and self.source != "local":
+            raise ConfigError(f"data.test_dir is the coordinator's test data in local mode (data.source = \"local\"); "
+                              f"split mode tests on the dataset's own test split, got data.test_dir={self.test_dir!r}")
         self.at_least(1, "clients")
         self.one_of("partition", PARTITIONS)
         self.above(0, "alpha")
@@ -380,9 +386,9 @@ class RunConfig(Section):
         if unet and self.train.evaluation != "server":
             raise ConfigError(f"train.evaluation must be \"server\" when training a generator (train.algorithm = \"ddpm\"): "
                               f"the clients have no classifier to test, got {self.train.evaluation!r}")
-        if self.data.source == "local" and not unet and self.train.evaluation != "federated":
-            raise ConfigError(f"train.evaluation must be \"federated\" when data.source = \"local\": the coordinator holds "
-                              f"no test data, got {self.train.evaluation!r}")
+        if self.data.source == "local" and self.data.test_dir is None and not unet and self.train.evaluation != "federated":
+            raise ConfigError(f"train.evaluation must be \"federated\" when data.source = \"local\" without data.test_dir: "
+                              f"the coordinator holds no test data, got {self.train.evaluation!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -393,6 +399,7 @@ class RunConfig(Section):
         content = self.to_dict()
         content.pop("out_dir")
         content["data"].pop("local_dir")  # where the launcher finds the client folders changes no result
+        content["data"].pop("test_dir")  # where the coordinator's test data lies changes no training result
         for key, default in LATER_DATA_KEYS.items():  # keys that came later: at their defaults, old fingerprints hold
             if content["data"][key] == default:
                 content["data"].pop(key)
@@ -452,8 +459,8 @@ def from_dict(raw: dict[str, Any]) -> RunConfig:
     sections: dict[str, Any] = {}
     data, train = raw.get("data", {}), raw.get("train", {})
     if (isinstance(data, dict) and isinstance(train, dict) and data.get("source") == "local" and "evaluation" not in train
-            and train.get("algorithm") != "ddpm"):
-        raw = {**raw, "train": {**train, "evaluation": "federated"}}  # local mode's default: the clients test
+            and data.get("test_dir") is None and train.get("algorithm") != "ddpm"):
+        raw = {**raw, "train": {**train, "evaluation": "federated"}}  # local mode without test data: the clients test
     for name, cls in SECTIONS.items():
         table = raw.get(name, {})
         _require(isinstance(table, dict), f"{name} must be a table (the [{name}] section), got {table!r}")

@@ -45,6 +45,7 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "data.max_samples_per_client": ("int", [-1]),
     "data.source": ("str", ["Local", "folder", ""]),
     "data.local_dir": ("str?", [""]),
+    "data.test_dir": ("str?", [""]),
     "data.classes": ("strlist?", [[], ["one"], ["a", "a"], ["a/b", "c"], [" a", "b"], ["", "b"]]),
     "data.image_size": ("int?", [0, -8]),
     "data.channels": ("int?", [0, 2, 4]),
@@ -452,6 +453,7 @@ def test_fedeas_ablation_keys_read_from_set_and_change_the_fingerprint_only_off_
     assert [content["train"].pop(key) for key in ("evaluation", "eval_every", "fraction_evaluate")] == ["server", 1, 1.0]
     content["data"].pop("max_samples_per_client")  # who may register: never in the fingerprint
     content["data"].pop("local_dir")  # where the launcher finds client folders: never in the fingerprint
+    content["data"].pop("test_dir")  # where the coordinator's own test data lies (local mode): never in it either
     for key, default in {"source": "split", "classes": None, "image_size": None, "channels": None}.items():
         assert content["data"].pop(key) == default  # local data's keys, at their defaults (split mode)
     assert paper.fingerprint() == hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
@@ -477,3 +479,15 @@ def test_the_bounded_update_keys_leave_the_default_fingerprint_as_it_was() -> No
     cfg = load_config(None, ["runtime.max_update_norm=\"auto\""])
     assert cfg.runtime.max_update_norm == "auto" and from_json(to_json(cfg)) == cfg
     assert load_config(None, ["runtime.max_update_norm=7"]).runtime.max_update_norm == 7.0
+
+
+def test_local_mode_evaluates_federated_unless_the_coordinator_has_test_data() -> None:
+    local = ['data.source="local"', 'data.local_dir="clients"']
+    assert load_config(None, local).train.evaluation == "federated"  # the default when the coordinator holds no data
+    assert load_config(None, [*local, 'data.test_dir="test"']).train.evaluation == "server"
+    assert load_config(None, [*local, 'data.test_dir="test"', 'train.evaluation="both"']).train.evaluation == "both"
+    with pytest.raises(ConfigError, match=r'^train\.evaluation must be "federated" when data\.source = "local" without '
+                                          r"data\.test_dir: the coordinator holds no test data, got 'server'$"):
+        load_config(None, [*local, 'train.evaluation="server"'])
+    with pytest.raises(ConfigError, match=r"^data\.test_dir is the coordinator's test data in local mode"):
+        load_config(None, ['data.test_dir="test"'])

@@ -88,6 +88,24 @@ def test_local_mode_over_split_folders_trains_exactly_as_split_mode(tmp_path: Pa
 
 
 @pytest.mark.slow
+def test_data_test_dir_gives_the_coordinator_its_own_test_set_beside_federated_evaluation(tmp_path: Path) -> None:
+    """Local mode with data.test_dir: the coordinator tests on its own folder (here digits' whole test split, written by
+    a one-client `data split`) while the clients test on theirs (which hold that same split between them), so under
+    train.evaluation = "both" the server's accuracy equals the federated weighted accuracy, round by round."""
+    whole = _split(tmp_path / "whole", 1) / "client-0"
+    folders = _split(tmp_path / "clients", 2)
+    sets = [*RUN, "data.clients=2", 'generation.policy="none"', 'data.source="local"',
+            f"data.local_dir={json.dumps(str(folders))}", f"data.test_dir={json.dumps(str(whole))}", 'train.evaluation="both"']
+    record = _run(tmp_path / "run", sets)
+    assert record["success"] and len(record["rounds"]) == 3
+    server = [r["accuracy"] for r in record["rounds"]]
+    assert all(a is not None for a in server)
+    assert server == [r["federated_evaluation"]["weighted_accuracy"] for r in record["rounds"]]
+    assert sum(c["examples"] for c in record["rounds"][-1]["federated_evaluation"]["per_client"].values()) == len(
+        load_dataset("digits", "test").y)
+
+
+@pytest.mark.slow
 def test_a_client_with_a_class_outside_the_schema_is_refused_and_the_run_goes_on(tmp_path: Path, runtime: Runtime) -> None:
     folders = _split(tmp_path / "clients", 3)
     wolf = folders / "client-2" / "train" / "wolf"

@@ -42,11 +42,12 @@ class LocalData:
     format: str
 
 
-def load_client_data(path: str | Path, schema: LabelSchema, *, client_id: int, min_size: int = 0,
+def load_client_data(path: str | Path, schema: LabelSchema, *, client_id: int | None, min_size: int = 0,
                      cache_dir: Path | None = None) -> LocalData:
-    """Client `client_id`'s data from `path`; every problem is a DataError naming the client and the file or field."""
+    """Client `client_id`'s data from `path` (None: the coordinator's data.test_dir); every problem is a DataError
+    naming the client and the file or field."""
     root = Path(path).expanduser()
-    where = f"client {client_id}"
+    where = f"client {client_id}" if client_id is not None else "data.test_dir"
     if not root.exists():
         raise DataError(f"{where}: data path {str(path)!r} does not exist")
     digest = _folder_schema_digest(root) or schema.digest()
@@ -190,3 +191,14 @@ def _read_npz(path: Path, schema: LabelSchema, where: str) -> tuple[ArrayDataset
         raise DataError(f"{where}: {path.name}: field y: label {int(y[bad[0]])} at row {int(bad[0])} is outside the "
                         f"file's {len(names)} class names")
     return relabel_by_name(np.ascontiguousarray(x), y.astype(np.int64), names, schema)
+
+
+def load_test_dir(path: str | Path, schema: LabelSchema, *, cache_dir: Path | None = None) -> ArrayDataset:
+    """The coordinator's own test data (data.test_dir, local mode): <class name>/ folders directly in `path` or under
+    `path`/test/, or an .npz; a class folder outside the schema is a DataError naming it."""
+    root = Path(path).expanduser()
+    source = root / "test" if (root / "test").is_dir() else root
+    data = load_client_data(source, schema, client_id=None, cache_dir=cache_dir)
+    if data.unknown_classes:
+        raise DataError(f"data.test_dir: {source} holds classes outside data.classes: {', '.join(data.unknown_classes)}")
+    return data.train

@@ -8,6 +8,7 @@ watchers). Plain Python over plain data; servicer.py only translates to and from
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import queue
 import threading
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from coordinator.dispatch import TaskDelivery
+from coordinator.dp_secret import noise_secret
 from coordinator.fedgen_server import FedGenServer
 from coordinator.mean_pool import MeanDataPool
 from coordinator.metrics import CoordinatorMetrics
@@ -38,6 +40,7 @@ from fedsynth.algorithms.fedgen import FedGen, head_keys
 from fedsynth.assembly import algorithm_for, model_for
 from fedsynth.config import RunConfig
 from fedsynth.learning.data import load_dataset
+from fedsynth.algorithms.ddpm import FedDdpm
 from fedsynth.learning.local_data import load_test_dir
 from fedsynth.learning.label_schema import schema_of
 from fedsynth.errors import StateError
@@ -55,6 +58,8 @@ class Federation:
         self.metrics = metrics
         self.run_id = cfg.fingerprint()
         algorithm = algorithm_for(cfg)
+        if isinstance(algorithm, FedDdpm) and algorithm.settings.dp == "user":
+            algorithm = dataclasses.replace(algorithm, noise_secret=noise_secret(out_dir))
         schema = schema_of(cfg.data)
         test_data: TrainData | None = None  # local mode without data.test_dir: the coordinator holds no data
         if cfg.data.source == "local" and schema is not None:
@@ -125,6 +130,7 @@ class Federation:
         node_token: str = "",
     ) -> str:
         if schema is not None:
+            self.registry.check_claim(client_id, run_id)  # a refusal below names only this run's clients
             try:
                 check_schema(client_id, self.schema, schema, unknown_classes)  # first: refused, never admitted
             except SchemaRefused:

@@ -49,16 +49,20 @@ class ClientRegistry:
         self.refused: set[int] = set()  # clients whose data does not fit the run (schema check): not waited for
         self.finished: Finished | None = None
 
+    def check_claim(self, client_id: int, run_id: str) -> None:
+        """The id and run a registration claims: this run's, and one of its K clients."""
+        if run_id != self.run_id:
+            raise StateError(f"client {client_id} was configured for run {run_id!r}, this coordinator runs {self.run_id!r}")
+        if not 0 <= client_id < self.num_clients:
+            raise WireError(f"client_id {client_id} is out of range 0..{self.num_clients - 1}")
+
     def register(self, client_id: int, num_samples: int, fedeas_images: int, missing: Iterable[int], run_id: str, *,
                  data_fixed: bool, has_synthetic: Callable[[str], bool], synthetic_digest: str = "",
                  label_counts: Iterable[int] = (), need_label_counts: bool = False, node_token: str = "",
                  live_within_s: float = 0.0) -> str:
         """Admit (or re-admit) a client; once the budget is fixed (data_fixed) it must report the same data.
         With need_label_counts (FedGen) it must report C label counts summing to num_samples, and the same ones again."""
-        if run_id != self.run_id:
-            raise StateError(f"client {client_id} was configured for run {run_id!r}, this coordinator runs {self.run_id!r}")
-        if not 0 <= client_id < self.num_clients:
-            raise WireError(f"client_id {client_id} is out of range 0..{self.num_clients - 1}")
+        self.check_claim(client_id, run_id)
         if num_samples < 1:
             raise WireError(f"client {client_id} reported num_samples={num_samples}; must be >= 1")
         if self.max_samples and num_samples > self.max_samples:

@@ -35,7 +35,7 @@ from fedsynth.algorithms.base import Algorithm, snapshot_state
 from fedsynth.allocation import assigned_quota
 from fedsynth.assembly import clients_per_round
 from fedsynth.config import RunConfig
-from fedsynth.errors import QuorumError
+from fedsynth.errors import QuorumError, WireError
 from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_INTERNAL, EXIT_OK
 from fedsynth.wire.tensor_buffer import encode_parts, encode_to_buffer
 from fedsynth.learning.training import TrainData, evaluate
@@ -162,7 +162,8 @@ class RoundDriver:
         clients = self.registry.clients
         with self.lock:
             seen, last_change = 0, time.monotonic()
-            while len(clients) + len(self.registry.refused - clients.keys()) < k:  # a refused client never comes
+            # a refused client never comes (only this run's ids count: a refusal names any id a caller claims)
+            while len(clients) + len((self.registry.refused & set(range(k))) - clients.keys()) < k:
                 now = time.monotonic()
                 if len(clients) != seen:
                     seen, last_change = len(clients), now
@@ -294,8 +295,13 @@ class RoundDriver:
             self.record_verdict(rnd, client_id, verdict)
             if verdict.scale == 0:
                 del rnd.answered[client_id]  # its client was told its update was taken: only the log and metrics say otherwise
-            else:
+                continue
+            try:
                 fold(verdict.scale)
+            except (WireError, ValueError) as exc:  # checked only now that it is folded: left out, as a refused update
+                log.warning("round %d: client %d's held update could not be folded, left out: %s", rnd.number, client_id, exc)
+                del rnd.answered[client_id]
+                rnd.refused[client_id] = f"round {rnd.number}: client {client_id}'s update could not be folded: {exc}"
         rnd.held = {}
 
     def wait_for_evaluation(self, timeout_s: float | None) -> None:

@@ -21,7 +21,7 @@ from fedsynth.algorithms.ddpm import EMA_PREFIX, FedDdpm
 from fedsynth.algorithms.privacy import update_norm
 from fedsynth.assembly import algorithm_for, client_shard, local_train_config, model_for, round_generator
 from fedsynth.config import RunConfig, load_config
-from fedsynth.errors import StopRequested
+from fedsynth.errors import ConfigError, StopRequested
 from fedsynth.learning.training import TrainData, images_to_tensor
 
 BASE = ['train.algorithm="ddpm"', 'train.model="unet-tiny"', 'generation.policy="none"', "data.clients=4",
@@ -109,6 +109,19 @@ def test_the_noise_is_the_same_for_the_same_seed_and_round() -> None:
         aggregator.add(start, {}, 1.0)
         results.append(aggregator.finish()[0])
     assert all(torch.equal(results[0][key], results[1][key]) for key in start)
+
+
+def test_the_noise_changes_with_the_coordinators_secret_which_the_seed_alone_does_not_fix() -> None:
+    _, algorithm, start = _setup('federate.dp="user"', "federate.noise_multiplier=1.0")
+    results = []
+    for secret in (b"", bytes(32), bytes(range(32))):
+        keyed = replace(algorithm, noise_secret=secret)
+        aggregator = keyed.new_aggregator(start, keyed.initial_server_state(start))
+        aggregator.add(start, {}, 1.0)
+        results.append(aggregator.finish()[0])
+    floating = [key for key in start if start[key].is_floating_point()]
+    for a, b in ((0, 1), (0, 2), (1, 2)):
+        assert not all(torch.equal(results[a][key], results[b][key]) for key in floating)
 
 
 @pytest.mark.parametrize("fraction, rounds", [(1.0, 5), (0.5, 20)])
@@ -263,3 +276,18 @@ def test_the_coordinator_exports_epsilon_delta_sigma_s_and_q_to_prometheus() -> 
     assert value("fedsynth_coordinator_dp_delta") == 1e-5 and value("fedsynth_coordinator_dp_clip_norm") == 0.7
     assert value("fedsynth_coordinator_dp_noise_multiplier") == privacy["noise_multiplier"]
     assert value("fedsynth_coordinator_dp_sample_rate") == 1.0
+
+
+def test_user_dp_noise_needs_the_coordinators_secret_that_no_client_is_sent(tmp_path: Path) -> None:
+    """The clients get the run config, seed included: noise from the seed alone could be subtracted by any of them.
+    With the coordinator's secret (made once in its run folder, mode 0600, read again on resume) it cannot."""
+    from coordinator.dp_secret import SECRET_FILE, noise_secret
+
+    secret = noise_secret(tmp_path)
+    assert len(secret) == 32 and noise_secret(tmp_path) == secret
+    assert (tmp_path / SECRET_FILE).stat().st_mode & 0o777 == 0o600
+    assert noise_secret(tmp_path / "other") != secret
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / SECRET_FILE).write_bytes(b"short")
+    with pytest.raises(ConfigError, match="must be 32 bytes, found 5"):
+        noise_secret(tmp_path / "bad")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from coordinator import checkpoint
+from coordinator.dp_secret import SECRET_FILE
 from fedsynth import cli
 from fedsynth.generation.generator_client import GeneratorInfo, fetch_images
 from fedsynth.wire import grpcutil
@@ -94,6 +95,9 @@ RESUMED_RUN: dict[str, Any] = {
 
 
 def _play(runtime: Runtime, out: Path, *, kill_after_round: int | None) -> checkpoint.Checkpoint:
+    # The same coordinator secret in both run folders (the DP noise's seed beside the run seed): the same noise
+    out.mkdir(parents=True, exist_ok=True)
+    (out / SECRET_FILE).write_bytes(bytes(range(32)))
     coord = runtime.coordinator(RESUMED_RUN, out)
     clients = runtime.clients(coord.address, "0-2")
     if kill_after_round is not None:

@@ -40,6 +40,8 @@ class FedDdpm:
     rounds: int = field(default=1, metadata=FROM_CONFIG)
     seed: int = field(default=0, metadata=FROM_CONFIG)
     flip: bool = field(default=False, metadata=FROM_CONFIG)  # horizontal flips (natural images, not digits)
+    # dp user: the coordinator's secret (coordinator/dp_secret.py) in the noise's seed; the clients know the run seed
+    noise_secret: bytes = field(default=b"", metadata=FROM_CONFIG)
 
     @property
     def lr(self) -> float:
@@ -238,10 +240,13 @@ class DdpmAggregator(Aggregator):
         return self._global[key].to("cpu", torch.float64) + noisy_sum / self._algorithm.clients_per_round
 
     def _noise_generator(self, key: str) -> torch.Generator:
-        """Seeded by (run seed, round, key): a resumed run adds the same noise; secure_noise draws a fresh secret seed."""
+        """Seeded by (run seed, round, key, the coordinator's secret): a resumed run adds the same noise and no client,
+        which knows the seed but not the secret, can recompute it; secure_noise draws a fresh secret seed each time."""
         if self._algorithm.settings.secure_noise:
             return torch.Generator().manual_seed(secrets.randbits(63))
-        state = np.random.SeedSequence([self._algorithm.seed, self._round, zlib.crc32(key.encode())]).generate_state(2, np.uint32)
+        secret = [int(word) for word in np.frombuffer(self._algorithm.noise_secret, dtype=np.uint32)]
+        entropy = [self._algorithm.seed, self._round, zlib.crc32(key.encode()), *secret]
+        state = np.random.SeedSequence(entropy).generate_state(2, np.uint32)
         return torch.Generator().manual_seed((int(state[0]) << 31) ^ int(state[1]))
 
     def finish(self) -> tuple[StateDict, StateDict]:

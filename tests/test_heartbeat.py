@@ -18,9 +18,11 @@ def test_frozen_client_dropped_within_10s_while_a_long_training_is_not(runtime: 
     settings = {
         "data.clients": 2,
         "train.rounds": 1,
-        "train.model": "resnet18",  # ~0.1-0.35 s a step here: 120 steps keep client 0 busy for 12-42 s, over 3 * TIMEOUT_S
+        # ~0.06 s a step on a quiet machine (measured: 120 steps took 7.6 s), ~0.35 s on a busy one: 400 steps keep
+        # client 0 busy for 24-140 s, over 3 * TIMEOUT_S and well inside the round's timeout
+        "train.model": "resnet18",
         "train.local_epochs": 20,
-        "train.max_steps": 120,
+        "train.max_steps": 400,
         "runtime.heartbeat_s": 1.0,
         "runtime.heartbeat_timeout_s": TIMEOUT_S,
         "runtime.round_timeout_s": 600.0,

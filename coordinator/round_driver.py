@@ -396,10 +396,12 @@ class RoundDriver:
         return evaluate(model, self.test_data, self.cfg.train.eval_batch_size)
 
     def participation(self, history: list[dict[str, Any]] | None = None) -> tuple[dict[int, int], dict[int, int]]:
-        """(rounds each client answered, each registered client's N_k): what per-client privacy accounting needs."""
+        """(rounds each client was sampled in, each registered client's N_k): what per-client privacy accounting needs.
+        A sampled client may have trained (and spent privacy) even where its update was refused, late or lost, so every
+        round it was handed a task counts: an upper bound, never an undercount."""
         answered: dict[int, int] = {}
         for summary in self.state.history if history is None else history:
-            for client in summary["participants"]:
+            for client in summary["sampled"]:
                 answered[client] = answered.get(client, 0) + 1
         with self.lock:
             sizes = {client: record.num_samples for client, record in self.registry.clients.items()}

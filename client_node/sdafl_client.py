@@ -24,6 +24,7 @@ from fedsynth.assembly import client_seed
 from fedsynth.config import RunConfig
 from fedsynth.errors import FedsynthError, StopRequested
 from fedsynth.v1 import coordinator_pb2 as pb
+from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 POLL_S = 0.1  # how soon a stop request reaches a DP-GAN in training

@@ -150,7 +150,7 @@ def test_counts_that_do_not_add_up_are_refused_by_name_and_a_vanished_evaluator_
                 streams[k] = stub.Subscribe(pb.SubscribeRequest(client_id=k, session=sessions[k]), timeout=240)
             for k in (0, 1):
                 tasks[k] = receive_task(streams[k])
-            session, (task, groups) = sessions[0], tasks[0]
+            session, (task, _) = sessions[0], tasks[0]
             assert not task.evaluate
             with pytest.raises(grpc.RpcError) as early:  # no evaluation is open before the round closes
                 stub.SubmitEvaluation(result(session, task), timeout=RPC_TIMEOUT_S)

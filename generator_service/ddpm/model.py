@@ -8,7 +8,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from diffusers import DDPMScheduler, UNet2DModel
 
 from fedsynth.errors import ConfigError

@@ -36,7 +36,7 @@ from pathlib import Path
 from deploy.processes import ProcessGroup, fedsynth_command, wait_for_file
 from fedsynth.wire import codec, data_plane, grpcutil
 from fedsynth.wire.raw_messages import submit_update_call, subscribe_call
-from fedsynth.wire.tensor_buffer import decode_views, encode_parts
+from fedsynth.wire.tensor_buffer import ReceiveBuffers, decode_views, encode_parts
 from fedsynth.wire.transfer import chunk_messages, describe_parts, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
@@ -95,6 +95,7 @@ def grpc_round_trips(address: str, rounds: int) -> list[dict[str, float]]:
     session, endpoint = reply.session, data_plane.Endpoint("127.0.0.1", reply.data_port)
     stream = subscribe(pb.SubscribeRequest(client_id=0, session=session), timeout=3600)
     timings = []
+    buffers = ReceiveBuffers(keep=2)  # as a client process keeps them (client_node.main.RECEIVE_BUFFERS_KEPT)
     try:
         for _ in range(rounds):
             task = next(m.task for m in stream if m.WhichOneof("kind") == "task")
@@ -103,7 +104,8 @@ def grpc_round_trips(address: str, rounds: int) -> list[dict[str, float]]:
                 buffer = data_plane.fetch(endpoint, task.data_ticket, timeout_s=600)
             else:  # the XXH3-128 is computed while the chunks arrive
                 meta = codec.meta_of(task.payload)
-                buffer = receive_into(meta, ((m.chunk.seq, m.chunk.data) for m in _chunks(stream, task.payload.num_chunks)))
+                buffer = receive_into(meta, ((m.chunk.seq, m.chunk.data) for m in _chunks(stream, task.payload.num_chunks)),
+                                      buffers=buffers)
             received = verified = time.perf_counter()
             state = codec.split_prefixed(decode_views(buffer))["model"]
             decoded = time.perf_counter()
@@ -127,6 +129,7 @@ def grpc_round_trips(address: str, rounds: int) -> list[dict[str, float]]:
                 "bytes": float(buffer.numel()), "push_transfer": received - started, "push_verify": verified - received,
                 "push_decode": decoded - verified, "reply_encode": encoded - decoded, "reply_submit": sent - encoded,
             })
+            del buffer, state, parts  # as the client's round ends: the buffer is free for the next global model
     finally:
         stream.cancel()
         channel.close()

@@ -15,12 +15,16 @@ from client_node.node import NodeOptions, run_clients
 from client_node.sdafl_client import remove_leftover_shards
 from fedsynth.process import lifetime
 from fedsynth.wire import tls
+from fedsynth.wire.tensor_buffer import ReceiveBuffers
 from fedsynth.config import generator_addresses
 from fedsynth.errors import ConfigError
 from fedsynth.process.metrics import add_metrics_arguments, linger_for_final_scrape, serve_metrics_from_args
 from fedsynth.process.runtime import setup_logging
 
 log = logging.getLogger("client")
+
+# global-model buffers a client process keeps for reuse; its logical clients beyond two receiving at once take fresh memory
+RECEIVE_BUFFERS_KEPT = 2
 
 
 def parse_ids(text: str) -> list[int]:
@@ -106,6 +110,7 @@ def node_options(args: argparse.Namespace, ids: list[int], revoked: tls.Revocati
         raise ConfigError(f"--tls-cert/--tls-key name one identity but this process hosts clients {args.clients}; "
                           "use --tls-dir (one client-K certificate per logical client)")
     paths = data_paths(args.data, ids)
+    buffers = ReceiveBuffers(keep=RECEIVE_BUFFERS_KEPT)
     options = {}
     for cid in ids:
         files = tls.tls_files_from_args(args, f"client-{cid}")
@@ -115,7 +120,8 @@ def node_options(args: argparse.Namespace, ids: list[int], revoked: tls.Revocati
         options[cid] = NodeOptions(coordinator=args.coordinator, generator=args.generator, cache_dir=Path(args.cache_dir),
                                    reconnect_timeout_s=args.reconnect_timeout, credentials=credentials,
                                    data_plane_tls=None if files is None else tls.ssl_client_context(files),
-                                   tls_files=files, revoked=revoked, data_path=paths.get(cid))
+                                   tls_files=files, revoked=revoked, data_path=paths.get(cid),
+                                   receive_buffers=buffers)
     return options
 
 

@@ -44,6 +44,7 @@ from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_OK
 from fedsynth.wire.tensor_buffer import decode_views, encode_parts
 from fedsynth.learning.evaluation import count_predictions
 from fedsynth.learning.training import TrainData, images_to_tensor
+from fedsynth.wire.tensor_buffer import ReceiveBuffers
 from fedsynth.wire.transfer import receive_inline, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
@@ -65,6 +66,9 @@ class NodeOptions:
     tls_files: TLSFiles | None = None  # the pair behind `credentials`: checking the servers' certificates
     revoked: RevocationList | None = None  # refuse a coordinator or generator whose certificate it lists
     data_path: Path | None = None  # local mode (data.source = "local"): this client's own data (`--data`)
+    # The process's global-model receive buffers, shared by its logical clients: reused once the last round's views
+    # are gone (fresh memory otherwise).
+    receive_buffers: ReceiveBuffers | None = None
 
 
 @dataclass
@@ -296,7 +300,7 @@ class LogicalClient:
         elif task.inline_payload:
             buffer = receive_inline(meta, task.inline_payload)
         else:
-            buffer = receive_into(meta, chunks())
+            buffer = receive_into(meta, chunks(), buffers=self.options.receive_buffers)
         self.metrics.bytes_received.inc(buffer.numel())
         return codec.split_prefixed(decode_views(buffer))
 

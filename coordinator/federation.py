@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -258,38 +259,52 @@ class Federation:
             norm = update_norm(update.state, update.extra, global_state, deltas=update.deltas) if bound.enabled else None
             labels = self._pseudo_labels(client_id, local_state(update, global_state)) if self.sdafl is not None else None
             fold = self._folder(rnd, client_id, update, float(record.num_samples), labels, global_state)
-            with self.lock:
-                if self.driver.current is not rnd or not rnd.awaits(client_id):
-                    raise StateError(f"round {rnd.number} closed before client {client_id}'s update was complete")
-                if header["generation"] and record.generation is None:
-                    record.generation = header["generation"]
-                started = time.monotonic()
-                if norm is None:
-                    fold(1.0)
-                else:
-                    rnd.norms[client_id] = norm
-                    if bound.auto:  # judged when the round closes, against the median of the round's norms
-                        rnd.held[client_id] = fold
+            later = norm is None  # no bound to judge: the sender hears back now, the fold thread folds it
+            if later:
+                self.driver.folds.reserve(f"client {client_id}'s update for round {rnd.number}")
+            try:
+                with self.lock:
+                    if self.driver.current is not rnd or not rnd.awaits(client_id):
+                        raise StateError(f"round {rnd.number} closed before client {client_id}'s update was complete")
+                    if header["generation"] and record.generation is None:
+                        record.generation = header["generation"]
+                    if later:
+                        self.driver.folds.submit(rnd, client_id, functools.partial(fold, 1.0))
+                        later = False
                     else:
-                        verdict = bound.verdict(norm, bound.bound())
-                        self.driver.record_verdict(rnd, client_id, verdict)
-                        if verdict.scale == 0:
-                            self.lock.notify_all()  # the round may be complete now
-                            raise StateError(verdict.describe(client_id, rnd.number))
-                        fold(verdict.scale)
-                rnd.aggregation_s += time.monotonic() - started
-                rnd.answered[client_id] = {
-                    "train_seconds": header["train_seconds"],
-                    "train_loss": header["train_loss"],
-                    "generation_seconds": header["generation"].get("wall_seconds", 0.0) if header["generation"] else 0.0,
-                }
-                rnd.bytes_received += update.num_bytes
-                if rnd.complete:  # the round loop waits for nothing else from updates (it checks deadlines on its own)
-                    self.lock.notify_all()
+                        self._judge(rnd, client_id, norm, fold)
+                    rnd.answered[client_id] = {
+                        "train_seconds": header["train_seconds"],
+                        "train_loss": header["train_loss"],
+                        "generation_seconds": header["generation"].get("wall_seconds", 0.0) if header["generation"] else 0.0,
+                    }
+                    rnd.bytes_received += update.num_bytes
+                    if rnd.complete:  # the round loop waits for nothing else from updates (it checks deadlines on its own)
+                        self.lock.notify_all()
+            finally:
+                if later:  # refused before it reached the fold thread
+                    self.driver.folds.cancel()
             num_bytes = update.num_bytes
-            del update, labels, fold  # the received buffer goes before the slot does (unless the round holds it)
+            del update, labels, fold  # the received buffer goes before the slot does (unless the round or fold thread holds it)
         self.metrics.bytes_received.inc(num_bytes)
         log.info("round %d: update from client %d %s", rnd.number, client_id, "held" if client_id in rnd.held else "accepted")
+
+    def _judge(self, rnd: RoundInProgress, client_id: int, norm: float, fold: Callable[[float], None]) -> None:
+        """runtime.max_update_norm: fold the update at the scale its norm allows now (a number), or hold it until the
+        round's median is known ("auto"); a refused update's sender hears of it (StateError). Under the lock."""
+        started = time.monotonic()
+        bound = self.driver.norm_bound
+        rnd.norms[client_id] = norm
+        if bound.auto:  # judged when the round closes, against the median of the round's norms
+            rnd.held[client_id] = fold
+        else:
+            verdict = bound.verdict(norm, bound.bound())
+            self.driver.record_verdict(rnd, client_id, verdict)
+            if verdict.scale == 0:
+                self.lock.notify_all()  # the round may be complete now
+                raise StateError(verdict.describe(client_id, rnd.number))
+            fold(verdict.scale)
+        rnd.aggregation_s += time.monotonic() - started
 
     def _folder(self, rnd: RoundInProgress, client_id: int, update: ReceivedUpdate, weight: float, labels: np.ndarray | None,
                 global_state: dict[str, torch.Tensor]) -> Callable[[float], None]:

@@ -29,6 +29,7 @@ from coordinator.registry import ClientRegistry
 from coordinator.rounds import RoundInProgress, quorum_size, round_phases
 from coordinator.run_state import RunState
 from coordinator.sdafl_server import SdaflServer
+from coordinator.update_folds import UpdateFolds
 from coordinator.update_norms import NormBound, Verdict
 from fedsynth.wire import codec, data_plane
 from fedsynth.algorithms.base import Algorithm, snapshot_state
@@ -36,7 +37,7 @@ from fedsynth.allocation import assigned_quota
 from fedsynth.assembly import clients_per_round
 from fedsynth.config import RunConfig
 from fedsynth.errors import QuorumError, WireError
-from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_INTERNAL, EXIT_OK
+from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_INTERNAL, EXIT_OK, lower_thread_priority
 from fedsynth.wire.tensor_buffer import encode_parts, encode_to_buffer
 from fedsynth.learning.training import TrainData, evaluate
 from fedsynth.wire.transfer import PreparedPayload, prepare
@@ -91,9 +92,13 @@ class RoundDriver:
         # No test set on the coordinator (local mode without one): no server evaluation, whatever train.evaluation says
         self.server_evaluates = cfg.train.evaluation != "federated" and test_data is not None
         self.norm_bound = NormBound(cfg.runtime)
+        self.folds = UpdateFolds(lock)
         # With overlap_evaluation, round r is tested (then checkpointed and published) on this thread while
-        # round r+1 already trains: the clients never wait for the coordinator's test pass.
-        self._evaluator = ThreadPoolExecutor(1, thread_name_prefix="evaluation") if cfg.runtime.overlap_evaluation else None
+        # round r+1 already trains: the clients never wait for the coordinator's test pass. The thread runs at a lower
+        # CPU priority: it must not slow the next round's transfers (on 2 cores, a ResNet-18 checkpoint written during
+        # an upload made it 1.5x slower: docs/runtime.md).
+        self._evaluator = (ThreadPoolExecutor(1, thread_name_prefix="evaluation", initializer=lower_thread_priority)
+                           if cfg.runtime.overlap_evaluation else None)
         self._evaluating: Future[None] | None = None  # the last round submitted for evaluation (kept once done)
         # The next round's RoundInProgress.dispatched: the test pass waits (at most EVALUATION_WAITS_S) until the next
         # round's tasks are out, so it does not compete with the dispatch (K = 100: 10 ms of it)
@@ -134,6 +139,7 @@ class RoundDriver:
             self.finish(Finished(f"coordinator internal error: {type(exc).__name__}: {exc}", False, EXIT_INTERNAL))
             raise
         finally:
+            self.folds.shutdown()
             if self._evaluator is not None:
                 self._evaluator.shutdown(wait=False, cancel_futures=True)
 
@@ -241,6 +247,7 @@ class RoundDriver:
                     self.registry.send(client_id, self.delivery(rnd, client_id))
         log.info("round %d: sampled %s", number, sampled)
         self._wait_for_answers(rnd)
+        self.folds.wait_for(rnd)
         closed_at = time.monotonic()
         with self.lock:
             self.current = None

@@ -41,6 +41,9 @@ class RoundInProgress:
     clipped: list[int] = field(default_factory=list)
     held: dict[int, Callable[[float], None]] = field(default_factory=dict)  # client -> folds its update at a scale
     norm_bound: float | None = None  # the bound the round's updates were held to
+    # updates accepted (answered) but still waiting for the fold thread (coordinator.update_folds), and its failures
+    folding: int = 0
+    fold_errors: list[str] = field(default_factory=list)
     # Set once every sampled client has its task (or the round is over): the last round's test pass waits for it
     dispatched: threading.Event = field(default_factory=threading.Event)
     _sampled: frozenset[int] = field(init=False, repr=False)

@@ -14,6 +14,7 @@ import torch
 
 from coordinator.dispatch import Finished, TaskDelivery
 from coordinator.federation import Federation
+from coordinator.update_folds import FOLD_BACKLOG
 from coordinator.receive_slots import SLOTTED_UPLOAD_BYTES, UPLOAD_SLOTS, ReceiveSlots, UploadCancelled
 from coordinator.updates import header_fields
 from fedsynth.wire import codec
@@ -21,6 +22,7 @@ from coordinator.schema_check import Schema
 from fedsynth.errors import StateError, WireError
 from fedsynth.learning.evaluation import EvaluationCounts
 from fedsynth.wire.raw_messages import task_message
+from fedsynth.wire.tensor_buffer import ReceiveBuffers
 from fedsynth.wire.transfer import receive_inline, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
@@ -42,10 +44,11 @@ def _first_header(request_iterator: Iterator[Any], refusal: str) -> Any:
     return first.header
 
 
-def _receive_update(meta: codec.PayloadMeta, inline: bytes, chunks: Iterator[tuple[int, bytes]], max_bytes: int) -> torch.Tensor:
+def _receive_update(meta: codec.PayloadMeta, inline: bytes, chunks: Iterator[tuple[int, bytes]], max_bytes: int,
+                    buffers: ReceiveBuffers) -> torch.Tensor:
     """An update's bytes: the chunks after its header, or its inline payload, after which the stream must end."""
     if not inline:
-        return receive_into(meta, chunks, max_bytes=max_bytes)
+        return receive_into(meta, chunks, max_bytes=max_bytes, buffers=buffers)
     if next(chunks, None) is not None:
         raise WireError("an update with its payload inline in the header is followed by chunks")
     return receive_inline(meta, inline, max_bytes=max_bytes)
@@ -72,6 +75,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         # Each update being received holds a model-sized buffer: two at a time; a stalled sender's slot is bypassed
         # after the heartbeat timeout, the time after which a silent client counts as gone.
         self.receive_slots = ReceiveSlots(UPLOAD_SLOTS, bypass_after_s=federation.cfg.runtime.heartbeat_timeout_s)
+        # an update buffer per slot and per place in the fold backlog, reused once its update is folded (a held update
+        # or one received without a slot takes fresh memory)
+        self.receive_buffers = ReceiveBuffers(keep=UPLOAD_SLOTS + FOLD_BACKLOG)
 
     def GetRunSpec(self, request: pb.GetRunSpecRequest, context: grpc.ServicerContext) -> pb.RunSpec:
         from fedsynth.config import to_json
@@ -140,7 +146,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             meta = codec.PayloadMeta(header["total_bytes"], header["sha256"], header["num_chunks"], header["xxh3_128"])
             chunks = self._chunks(request_iterator)
             self.federation.accept_update(
-                header, lambda max_bytes: _receive_update(meta, h.inline_payload, chunks, max_bytes),
+                header, lambda max_bytes: _receive_update(meta, h.inline_payload, chunks, max_bytes, self.receive_buffers),
                 receiving=lambda: self.receive_slots.hold(
                     context.is_active, what=f"client {h.client_id}'s update for round {h.round}") if large else nullcontext(True))
         except UploadCancelled as exc:  # its deadline passed or it was cancelled while waiting: nothing was received

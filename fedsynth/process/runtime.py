@@ -8,6 +8,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,19 @@ EXIT_ERROR = 1  # bad configuration or input (the message names it)
 EXIT_BELOW_QUORUM = 3  # too few clients registered or answered; the run cannot go on
 EXIT_INTERNAL = 4  # an unexpected failure inside the coordinator (a bug): the message is in its log and coordinator.json
 EXIT_INTERRUPTED = 130
+
+
+def lower_thread_priority(increment: int = 10) -> None:
+    """Make the calling thread (only it) yield the CPU to the process's other threads and to other processes: its own
+    nice value raised by `increment`. Linux only (there a thread is a schedulable task of its own); a no-op elsewhere,
+    where setpriority would lower the whole process."""
+    if sys.platform != "linux":
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + increment)
+    except OSError:  # not permitted here: the thread keeps its priority
+        pass
 
 
 def setup_logging(role: str, level: str = "INFO") -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import mmap
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +35,67 @@ def fresh_buffer(size: int) -> torch.Tensor:
     pages (one fault each) cost as much as the copy itself (measured: filling 45 MB took 20-35 ms in torch.empty,
     7-10 ms here). The tensor holds the mapping; it is unmapped when the last view of it is gone.
     """
-    if size < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+    region = _huge_page_region(size)
+    if region is None:
         return torch.empty(size, dtype=torch.uint8)
+    return _over(region, size)
+
+
+def _huge_page_region(size: int) -> mmap.mmap | None:
+    """Anonymous memory for `size` bytes advised for 2 MiB pages, with room to align; None where small or unsupported."""
+    if size < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
     try:
         region = mmap.mmap(-1, size + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE)
         region.madvise(mmap.MADV_HUGEPAGE)
     except OSError:  # no mapping or no advice here: plain memory works too, only slower to fill
-        return torch.empty(size, dtype=torch.uint8)
+        return None
+    return region
+
+
+def _over(region: mmap.mmap, size: int) -> torch.Tensor:
+    """A uint8 tensor of `size` bytes over `region`, starting at its first 2 MiB boundary (the tensor holds the region)."""
     start = -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE_BYTES
     return torch.frombuffer(region, dtype=torch.uint8, count=size, offset=start)
+
+
+class ReceiveBuffers:
+    """Payload buffers handed out again once no tensor over them is alive.
+
+    A payload is received into fresh memory every round otherwise, and a fresh 45 MB buffer costs page faults as large
+    as the copy into it (measured beside raw TCP: 0.044 s a round trip with a fresh buffer per message against 0.023 s
+    with one reused). A buffer is reused only for a payload of exactly its size, and only when no tensor, view or
+    array of it is left (its region's reference count says so: every tensor over it holds the region), so a holder
+    that keeps views (a held update, a kept global state) makes the next payload take fresh memory, never its bytes.
+    At most `keep` regions are kept; a new one replaces a free one of another size, and is not kept while all are busy.
+    """
+
+    def __init__(self, keep: int) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._regions: list[tuple[int, mmap.mmap]] = []
+        self.reused = 0  # payloads received into a kept buffer since start
+
+    def take(self, size: int) -> torch.Tensor:
+        """An uninitialized uint8 tensor of `size` bytes: a free kept buffer of that size, or fresh memory."""
+        with self._lock:
+            # a kept region is referenced by its tuple here (and by getrefcount's argument); a tensor's storage adds one
+            free = [i for i in range(len(self._regions)) if sys.getrefcount(self._regions[i][1]) == 2]
+            for i in free:
+                kept, region = self._regions[i]
+                if kept == size:
+                    self.reused += 1
+                    return _over(region, size)
+            region = _huge_page_region(size)
+            if region is None:
+                return torch.empty(size, dtype=torch.uint8)
+            if len(self._regions) < self.keep:
+                self._regions.append((size, region))
+            elif free:
+                self._regions[free[0]] = (size, region)
+            return _over(region, size)
 
 
 def _layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> tuple[bytes, list[tuple[torch.Tensor, int]]]:

@@ -22,7 +22,7 @@ import xxhash
 from fedsynth.wire.codec import CHUNK_BYTES, MAX_PAYLOAD_BYTES, Checksum, PayloadMeta, num_chunks
 from fedsynth.errors import WireError
 from fedsynth.wire.raw_messages import chunk_message
-from fedsynth.wire.tensor_buffer import fresh_buffer
+from fedsynth.wire.tensor_buffer import ReceiveBuffers, fresh_buffer
 
 
 def byte_view(buffer: torch.Tensor) -> memoryview:
@@ -111,14 +111,17 @@ def receive_inline(meta: PayloadMeta, data: bytes, *, max_bytes: int = MAX_PAYLO
     return receive_into(replace(meta, num_chunks=1), [(0, data)], max_bytes=max_bytes)
 
 
-def receive_into(meta: PayloadMeta, chunks: Iterable[tuple[int, bytes | memoryview]], *, max_bytes: int = MAX_PAYLOAD_BYTES) -> torch.Tensor:
-    """The payload in one uint8 tensor of the announced size, each chunk written in place as it arrives."""
+def receive_into(meta: PayloadMeta, chunks: Iterable[tuple[int, bytes | memoryview]], *, max_bytes: int = MAX_PAYLOAD_BYTES,
+                 buffers: ReceiveBuffers | None = None) -> torch.Tensor:
+    """The payload in one uint8 tensor of the announced size, each chunk written in place as it arrives: fresh memory,
+    or a free buffer of `buffers` (a receiver of the same size every round)."""
     if meta.total_bytes > max_bytes:
         raise WireError(f"announced payload of {meta.total_bytes} bytes exceeds the limit of {max_bytes}")
     if meta.num_chunks != num_chunks(meta.total_bytes):
         raise WireError(f"announced {meta.num_chunks} chunks for {meta.total_bytes} bytes; expected {num_chunks(meta.total_bytes)}")
     digest = Checksum(meta)
-    buffer = fresh_buffer(meta.total_bytes)  # untouched pages: an announced size never sent costs no memory
+    # untouched pages: an announced size never sent costs no memory
+    buffer = fresh_buffer(meta.total_bytes) if buffers is None else buffers.take(meta.total_bytes)
     view = byte_view(buffer)
     update = digest.hasher.update
     received = expected = 0

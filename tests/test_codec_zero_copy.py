@@ -19,7 +19,9 @@ from fedsynth.wire import codec
 from fedsynth.algorithms.base import Aggregator, fold
 from fedsynth.errors import WireError
 from fedsynth.wire.raw_messages import RawChunk, chunk_message, parse_chunk, parsing_chunks, passthrough, task_message
-from fedsynth.wire.tensor_buffer import HUGE_PAGE_BYTES, decode_views, encode_parts, encode_to_buffer, fresh_buffer, write_safetensors
+from fedsynth.wire.tensor_buffer import (
+    HUGE_PAGE_BYTES, ReceiveBuffers, decode_views, encode_parts, encode_to_buffer, fresh_buffer, write_safetensors,
+)
 from fedsynth.wire.transfer import (
     byte_view, chunk_messages, chunk_views, describe_buffer, describe_parts, prepare, receive_inline, receive_into,
 )
@@ -329,6 +331,39 @@ def test_fresh_buffers_outlive_their_mapping_through_their_views() -> None:
     del buffer
     assert tail.tolist() == [9, 9, 9]
     assert fresh_buffer(0).numel() == 0 and fresh_buffer(5).numel() == 5
+
+
+def test_receive_buffers_hand_a_buffer_out_again_only_once_nothing_of_it_is_alive() -> None:
+    buffers = ReceiveBuffers(keep=2)
+    size = HUGE_PAGE_BYTES + 5
+    first = buffers.take(size)
+    address = first.data_ptr()
+    first.fill_(7)
+    view, array = first[-3:], first.numpy()  # a view and an array of it: each keeps the memory busy
+    del first
+    held = buffers.take(size)
+    assert held.data_ptr() != address and view.tolist() == [7, 7, 7] and buffers.reused == 0
+    del view
+    assert buffers.take(size).data_ptr() != address  # the array still holds it
+    del array
+    again = buffers.take(size)
+    assert again.data_ptr() == address and buffers.reused == 1
+    del again
+    assert buffers.take(size + 1).data_ptr() != address  # another size: fresh memory, never a part of a kept buffer
+    assert buffers.take(7).numel() == 7  # small payloads: plain memory, never kept
+
+
+def test_receive_into_reuses_a_free_buffer_and_its_views_see_only_their_own_payload() -> None:
+    buffers = ReceiveBuffers(keep=1)
+    first, second = (torch.full((HUGE_PAGE_BYTES,), value, dtype=torch.uint8) for value in (1, 2))
+    one = receive_into(describe_buffer(first), chunk_views(first), buffers=buffers)
+    kept = one[:4]
+    two = receive_into(describe_buffer(second), chunk_views(second), buffers=buffers)  # `one` is alive: fresh memory
+    assert kept.tolist() == [1, 1, 1, 1] and torch.equal(two, second)
+    address = one.data_ptr()
+    del one, kept
+    three = receive_into(describe_buffer(second), chunk_views(second), buffers=buffers)
+    assert three.data_ptr() == address and torch.equal(three, second)
 
 
 # ---- validation and folding ----------------------------------------------------------------------

@@ -249,7 +249,7 @@ def main() -> None:
     decode = " | ".join(f"{m['push_verify'] + m['push_decode']:.3f}" for m in steps.values())
     print(f"| push: safetensors header + tensor views (client) | {decode} |")
     print(f"| reply: safetensors header (the tensors are sent from their own memory; gRPC: + XXH3-128 of them, announced in the header; tcp: hashed while sending) | {column('reply_encode')} |")
-    print(f"| reply: upload until the coordinator answers (verified, checked and folded) | {column('reply_submit')} |")
+    print(f"| reply: upload until the coordinator answers (received, verified and checked; folded after) | {column('reply_submit')} |")
     print("| **round trip, real path (everything above)** | " + " | ".join(f"**{t:.3f}**" for t in totals.values()) + " |")
     print("| ratio: raw TCP ÷ round trip | " + " | ".join(f"{raw / t:.2f}" for t in totals.values()) + " |")
     print("| round trip ÷ bare gRPC's | " + " | ".join(f"{t / bare:.2f}" for t in totals.values()) + " |")

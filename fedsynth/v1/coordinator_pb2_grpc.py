@@ -119,7 +119,8 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SubmitUpdate(self, request_iterator, context):
-        """Uploads one local update: an UpdateHeader, then payload chunks.
+        """Uploads one local update: an UpdateHeader, then payload chunks. Answered once the update is received, verified
+        and checked; the coordinator folds it into the round afterwards (docs/reference/wire.md).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -114,6 +114,7 @@ class RoundDriver:
 
     def run(self) -> None:
         """Play every remaining round; raises QuorumError when the run cannot go on."""
+        self.norm_bound.restore(self.state.history)  # a resumed run's "auto" bound sees the rounds before it
         try:
             if self.state.completed == 0 and not self.state.initial and self.server_evaluates:
                 # here, not before the server binds: ResNet-18 on CIFAR's 10,000 test images takes minutes on a CPU,
@@ -253,6 +254,8 @@ class RoundDriver:
             self.current = None
         started = time.monotonic()
         self._settle_held(rnd)
+        if self.norm_bound.enabled:
+            self.norm_bound.remember(rnd.norms, [*rnd.refused, *rnd.clipped])
         if rnd.aggregator.count < rnd.need:  # updates refused for their norm do not count towards the quorum
             raise QuorumError(f"round {number}: {rnd.aggregator.count} of {len(rnd.sampled)} sampled clients' updates were "
                               f"aggregated, {len(rnd.refused)} refused by runtime.max_update_norm; quorum is {rnd.need}")

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +55,11 @@ class Verdict:
                 f"{self.bound:.4g} (runtime.max_update_norm): {self.action}")
 
 
+# "auto" judges a round's updates against the median of their norms AND of the updates folded in the last rounds: with
+# one or two updates a round, a round's own median is its largest update's half or whole, so it would bound nothing.
+REFERENCE_ROUNDS = 3
+
+
 class NormBound:
     """runtime.max_update_norm as the coordinator applies it. A number is checked as each update arrives; "auto" needs
     the round's median, so the round's updates are held (received, not yet folded) until the round closes."""
@@ -61,6 +68,21 @@ class NormBound:
         self.setting = runtime.max_update_norm
         self.factor = runtime.max_update_norm_factor
         self.action = runtime.update_norm_action
+        # the norms of the updates folded as sent (neither clipped nor refused) in each of the last rounds: part of
+        # "auto"'s median
+        self.recent: deque[list[float]] = deque(maxlen=REFERENCE_ROUNDS)
+
+    def remember(self, norms: dict[int, float], left_out: Iterable[int]) -> None:
+        """A closed round's norms but those of its clipped or refused updates (`left_out`)."""
+        skipped = set(left_out)
+        self.recent.append([norm for client, norm in sorted(norms.items()) if client not in skipped])
+
+    def restore(self, history: Sequence[dict[str, Any]]) -> None:
+        """The recent norms as the rounds in a resumed run's history left them (each round's `update_norms`)."""
+        self.recent.clear()
+        for summary in history[-REFERENCE_ROUNDS:]:
+            record = summary.get("update_norms") or {}
+            self.remember({int(c): n for c, n in record.get("norms", {}).items()}, [*record.get("refused", []), *record.get("clipped", [])])
 
     @property
     def enabled(self) -> bool:
@@ -71,12 +93,13 @@ class NormBound:
         return self.setting == "auto"
 
     def bound(self, norms: Sequence[float] = ()) -> float:
-        """The bound: the configured number, or (auto) factor times the median of `norms`, the round's update norms."""
+        """The bound: the configured number, or (auto) factor times the median of `norms`, the round's update norms,
+        together with the norms folded in the last REFERENCE_ROUNDS rounds."""
         if not self.auto:
             return float(self.setting)
         if not norms:
             raise ValueError("an automatic bound needs the round's update norms")
-        return self.factor * statistics.median(norms)
+        return self.factor * statistics.median([*norms, *(norm for past in self.recent for norm in past)])
 
     def verdict(self, norm: float, bound: float) -> Verdict:
         if norm <= bound:

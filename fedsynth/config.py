@@ -295,7 +295,8 @@ class RuntimeConfig(Section):
     data_plane_min_bytes: int = 4 << 20  # smaller payloads stay on gRPC under data_plane = "tcp"
     # The most an update may move the global model: the L2 norm of its floating-point tensors as differences from the
     # round's global model (SCAFFOLD's delta c_i included). 0 = off; a number; or "auto": max_update_norm_factor times
-    # the median norm of the round's updates (held until the round closes). Past it: update_norm_action.
+    # the median norm of the round's updates (held until the round closes) and of those folded in the last 3 rounds.
+    # Past it: update_norm_action.
     max_update_norm: float | str = 0.0
     max_update_norm_factor: float = 10.0
     update_norm_action: str = "refuse"  # "refuse": left out of the round; "clip": scaled down onto the bound

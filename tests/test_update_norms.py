@@ -69,6 +69,26 @@ def test_auto_is_the_factor_times_the_median_of_the_rounds_norms() -> None:
         auto.bound([])
 
 
+def test_auto_bounds_a_round_of_one_or_two_updates_by_the_rounds_before_it() -> None:
+    auto = bound(max_update_norm="auto", max_update_norm_factor=10.0)
+    assert auto.bound([1000.0]) == pytest.approx(10_000.0)  # the first round has only itself: nothing is refused
+    auto.remember({0: 1.0, 1: 1.2, 2: 0.9, 3: 1000.0}, [3])  # a round whose 1000x update was refused
+    auto.remember({0: 1.1, 3: 900.0}, [])  # a round of two whose large update was (too loosely) accepted
+    # alone, or beside one honest update, the 1000x update is now judged against the rounds before it
+    assert auto.verdict(1000.0, auto.bound([1000.0])).action == "refused"
+    assert auto.verdict(1000.0, auto.bound([1.0, 1000.0])).action == "refused"
+    assert auto.verdict(1.3, auto.bound([1.0, 1000.0])).action == "accepted"
+    for _ in range(3):  # only the last three rounds count
+        auto.remember({0: 5.0, 1: 5.0}, [])
+    assert auto.bound([5.0]) == pytest.approx(50.0)
+    # a resumed run rebuilds the same reference from its history's records
+    history = [{"round": r, "update_norms": {"norms": {"0": 1.0, "1": 2.0, "3": 50.0}, "refused": [3], "clipped": [1]}}
+               for r in range(1, 6)] + [{"round": 6}]
+    resumed = bound(max_update_norm="auto")
+    resumed.restore(history)
+    assert [list(r) for r in resumed.recent] == [[1.0], [1.0], []]
+
+
 @pytest.mark.parametrize("deltas", [False, True])
 def test_a_clipped_update_moves_the_global_model_scale_times_as_far(deltas: bool) -> None:
     global_state, local = states()

@@ -19,7 +19,7 @@ ROLES = ("fedavg", "uniform", "missing", "full", "fedeas", "sdafl")
 # What must agree across arms so they share one partition and one generator (seed and data are checked too).
 GENERATOR_KEYS = ("backend", "model_dir", "generator", "size", "train_steps")
 EXPERIMENT_KEYS = {"name", "out_dir", "last_n", "threshold", "arm_timeout_s", "confidence"}
-ARM_KEYS = {"name", "role", "set", "timeout_s", "seeds", "compare"}
+ARM_KEYS = {"name", "role", "set", "timeout_s", "seeds", "compare", "own_generator"}
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -57,6 +57,9 @@ class Arm:
     beta: float | None = None  # set for the points of a [sweep]
     seeds: tuple[int, ...] | None = None  # run only on these of the experiment's seeds (None: on every seed)
     compare: tuple[str, ...] = ()  # arms this one is paired with, seed by seed, in the summary (this − that)
+    # its generation.backend/model_dir/... may differ from the other arms' (an arm that compares generators, e.g. FedEAS
+    # with a federated one beside FedEAS with a central one); the partition is still shared
+    own_generator: bool = False
 
     def runs_on(self, seed: int) -> bool:
         return self.seeds is None or seed in self.seeds
@@ -125,7 +128,11 @@ def _arm(raw: Any, settings: Settings) -> Arm:
     compare = raw.get("compare", [])
     if not isinstance(compare, list) or not all(isinstance(other, str) for other in compare) or name in compare:
         raise ConfigError(f"arm {name!r}: compare must be a list of other arms' names, got {compare!r}")
-    return Arm(name, role, tuple(overrides), float(timeout), seeds=None if seeds is None else tuple(seeds), compare=tuple(compare))
+    own_generator = raw.get("own_generator", False)
+    if not isinstance(own_generator, bool):
+        raise ConfigError(f"arm {name!r}: own_generator must be true or false, got {own_generator!r}")
+    return Arm(name, role, tuple(overrides), float(timeout), seeds=None if seeds is None else tuple(seeds), compare=tuple(compare),
+               own_generator=own_generator)
 
 
 def _sweep_arms(raw: Any, settings: Settings) -> list[Arm]:
@@ -144,9 +151,9 @@ def _sweep_arms(raw: Any, settings: Settings) -> list[Arm]:
     return arms
 
 
-def _identity(cfg: RunConfig) -> dict[str, Any]:
+def _identity(cfg: RunConfig, *, with_generator: bool = True) -> dict[str, Any]:
     d = cfg.to_dict()
-    generator = {f"generation.{k}": d["generation"][k] for k in GENERATOR_KEYS}
+    generator = {f"generation.{k}": d["generation"][k] for k in GENERATOR_KEYS} if with_generator else {}
     return {"seed": d["seed"], **{f"data.{k}": v for k, v in d["data"].items()}, **generator}
 
 
@@ -214,14 +221,15 @@ def load_experiment(path: str | Path, overrides: list[str] | None = None) -> Exp
     experiment = Experiment(settings, base, tuple(arms))
     for arm in arms:
         _check_role(arm, experiment.arm_config(arm, 0, Path(".")))
-    reference = _identity(experiment.arm_config(arms[0], 0, Path(".")))
-    for arm in arms[1:]:
-        identity = _identity(experiment.arm_config(arm, 0, Path(".")))
+    shared = [arm for arm in arms if not arm.own_generator] or arms[:1]
+    reference = _identity(experiment.arm_config(shared[0], 0, Path(".")))
+    for arm in arms:
+        identity = _identity(experiment.arm_config(arm, 0, Path(".")), with_generator=not arm.own_generator)
         for key, value in identity.items():
             if value != reference[key]:
                 raise ConfigError(
-                    f"arm {arm.name!r} sets {key} = {value!r} but arm {arms[0].name!r} has {reference[key]!r}: "
-                    "every arm must share the partition (seed, data.*) and the generator"
+                    f"arm {arm.name!r} sets {key} = {value!r} but arm {shared[0].name!r} has {reference[key]!r}: "
+                    "every arm must share the partition (seed, data.*) and, unless it sets own_generator = true, the generator"
                 )
     return experiment
 

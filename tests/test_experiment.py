@@ -90,10 +90,23 @@ def test_every_arm_must_share_the_partition(tmp_path: Path) -> None:
         load_experiment(spec)
 
 
+def test_an_arm_with_its_own_generator_still_shares_the_partition(tmp_path: Path) -> None:
+    other = '[[arms]]\nname = "b"\nset = ["generation.policy=fedeas", "generation.model_dir=\\"runs/gen-fed\\""]\n'
+    spec = write(tmp_path / "e.toml", TINY_BASE + '[[arms]]\nname = "a"\nset = ["generation.policy=fedeas"]\n' + other)
+    with pytest.raises(ConfigError, match=r"arm 'b' sets generation.model_dir = 'runs/gen-fed'.*unless it sets own_generator"):
+        load_experiment(spec)
+    spec.write_text(TINY_BASE + '[[arms]]\nname = "a"\nset = ["generation.policy=fedeas"]\n' + other + "own_generator = true\n")
+    assert [arm.own_generator for arm in load_experiment(spec).arms] == [False, True]
+    spec.write_text(TINY_BASE + '[[arms]]\nname = "a"\n' + other + 'own_generator = true\nset = ["data.alpha=0.5"]\n')
+    with pytest.raises(ConfigError):  # its own generator, but never its own partition (nor a repeated key)
+        load_experiment(spec)
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [
         ('[[arms]]\nname = "a"\nsets = []\n', "arm 'a': unknown key(s) sets"),
+        ('[[arms]]\nname = "a"\nown_generator = "yes"\n', "own_generator must be true or false"),
         ('[[arms]]\nname = "a b"\n', "got 'a b'"),
         ('[[arms]]\nname = "a"\n[[arms]]\nname = "a"\n', "arm names must be unique"),
         ('[[arms]]\nname = "a"\nrole = "best"\n', "role must be one of"),

@@ -108,7 +108,8 @@ class LogicalClient:
         self.state: ClientState | None = None
         self._stream: grpc.Future | None = None
         self._data_plane: data_plane.Endpoint | None = None  # announced at registration (runtime.data_plane = "tcp")
-        self._coordinator_identity: PeerIdentity | None = None  # its certificate's, when a revocation list is checked
+        # the certificates of every address behind --coordinator (each of a dns:/// name), when a revocation list is checked
+        self._coordinator_identities: list[PeerIdentity] = []
 
     def cancel(self) -> None:
         """Break out of a blocking dispatch stream (used on SIGTERM)."""
@@ -221,8 +222,7 @@ class LogicalClient:
                     raise RunEnded(message.finished.success, message.finished.reason, message.finished.exit_code)
                 if kind != "task":
                     raise WireError(f"expected a task header, got {kind}")
-                if self._coordinator_identity is not None and self.options.revoked is not None:
-                    refused(self._coordinator_identity, self.options.revoked, what=f"coordinator at {self.options.coordinator}")
+                self._recheck_coordinator()
                 if message.task.evaluate:
                     self._do_evaluation(stub, reply.session, message.task, stream)
                 else:
@@ -244,8 +244,15 @@ class LogicalClient:
         (gRPC does not show a client its server's certificate), must not be revoked (RevokedServer ends the client)."""
         if self.options.revoked is None or self.options.tls_files is None:
             return
-        [self._coordinator_identity] = check_servers(self.options.coordinator, self.options.tls_files, self.options.revoked,
+        self._coordinator_identities = check_servers(self.options.coordinator, self.options.tls_files, self.options.revoked,
                                                      what="coordinator", timeout_s=RPC_TIMEOUT_S)
+
+    def _recheck_coordinator(self) -> None:
+        """Before each task: the revocation list (re-read if it changed) against every coordinator certificate seen."""
+        if self.options.revoked is None:
+            return
+        for identity in self._coordinator_identities:
+            refused(identity, self.options.revoked, what=f"coordinator at {self.options.coordinator}")
 
     def _prepare(self, cfg: RunConfig) -> ClientState:
         """Load this client's data: its shard of the run's dataset (split mode) or its own folder (local mode), and

@@ -199,7 +199,7 @@ class LogicalClient:
             upload_mean_data(self._upload_mean_data, self.client_id, reply.session, means_x, means_y, mean_batch=mean_batch,
                              timeout_s=RPC_TIMEOUT_S * 4)
         self._data_plane = None if not reply.data_port else data_plane.Endpoint(
-            self.options.coordinator.rpartition(":")[0].strip("[]"), reply.data_port, self.options.data_plane_tls)
+            data_plane.host_of(self.options.coordinator), reply.data_port, self.options.data_plane_tls)
         log.info("client %d: registered (N_k=%d, %d rounds done)", self.client_id, len(self.state.real_y), reply.completed_rounds)
         stream = self._subscribe(pb.SubscribeRequest(client_id=self.client_id, session=reply.session), timeout=SUBSCRIBE_TIMEOUT_S)
         self._stream = stream

@@ -15,6 +15,7 @@ import pytest
 from client_node.metrics import ClientMetrics
 from client_node.node import LogicalClient, NodeOptions
 from deploy.provision import provision
+from fedsynth.wire import data_plane
 from fedsynth.wire.server_check import RevokedServer
 from fedsynth.wire.tls import RevocationList, TLSFiles, ssl_server_context
 from prometheus_client import CollectorRegistry
@@ -93,3 +94,9 @@ def test_every_address_of_a_dns_name_is_checked_again_before_each_task(two_serve
     revoked.write_text("generator\n")  # a live edit: re-read before the next task
     with pytest.raises(RevokedServer, match=f"refusing the coordinator at dns:///{NAME}:{port}: .*node generator is revoked"):
         node._recheck_coordinator()
+
+
+@pytest.mark.parametrize("target, host", [("dns:///coord.example:50051", "coord.example"), ("10.0.0.5:7", "10.0.0.5"),
+                                          ("[::1]:7", "::1"), ("dns:///[::1]:7", "::1")])
+def test_the_data_plane_is_dialled_at_the_host_of_the_coordinator_target(target: str, host: str) -> None:
+    assert data_plane.host_of(target) == host

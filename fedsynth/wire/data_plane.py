@@ -109,6 +109,11 @@ class Endpoint:
         return f"{self.host}:{self.port}"
 
 
+def host_of(target: str) -> str:
+    """The host of the coordinator's gRPC target (HOST:PORT, [V6]:PORT or dns:///NAME:PORT): its data plane's host."""
+    return target.removeprefix("dns:///").rpartition(":")[0].strip("[]")
+
+
 # ---- framing, both sides -------------------------------------------------------------------------------------------
 
 def read_exact(sock: socket.socket, size: int, what: str) -> bytes:

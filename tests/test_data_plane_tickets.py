@@ -46,6 +46,7 @@ def ticket(tmp_path: Path) -> Iterator[tuple[data_plane.Endpoint, bytes]]:
             stream.cancel()
 
 
+@pytest.mark.slow
 def test_a_ticket_serves_one_transfer_at_a_time(ticket: tuple[data_plane.Endpoint, bytes]) -> None:
     endpoint, data_ticket = ticket
     with socket.create_connection((endpoint.host, endpoint.port), timeout=RPC_TIMEOUT_S) as first:

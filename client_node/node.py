@@ -249,8 +249,8 @@ class LogicalClient:
             if ID_CLAIMED in refusal and give_up_at is None:
                 wait_s = cfg.runtime.heartbeat_timeout_s + CLAIM_MARGIN_S
                 give_up_at = time.monotonic() + wait_s
-                log.warning("client %d: another node holds client id %d (%s); waiting up to %.0fs for its session to time "
-                            "out, as a killed previous process of this node's would", self.client_id, self.client_id,
+                log.warning("client %d: another node holds client id %d (%s); waiting up to %.0fs in case it is this "
+                            "node's previous process, killed, whose session then times out", self.client_id, self.client_id,
                             refusal, wait_s)
             if give_up_at is None or time.monotonic() + delay > give_up_at:
                 raise RunEnded(False, f"registration refused: {refusal}", EXIT_ERROR)

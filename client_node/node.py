@@ -33,7 +33,7 @@ from fedsynth.assembly import (
     round_generator,
 )
 from fedsynth.config import RunConfig, from_json
-from fedsynth.errors import ConfigError, DataError, FedsynthError, StopRequested, WireError
+from fedsynth.errors import ID_CLAIMED, ConfigError, DataError, FedsynthError, StopRequested, WireError
 from fedsynth.learning.data import ArrayDataset
 from fedsynth.learning.label_schema import schema_of
 from fedsynth.learning.local_data import load_client_data
@@ -52,6 +52,7 @@ from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 30.0
 NODE_TOKEN = secrets.token_hex(8)  # this process's: the coordinator tells a reconnect from a second node claiming an id
+CLAIM_MARGIN_S = 10.0  # past runtime.heartbeat_timeout_s: how long a restarted node waits for its old session to go
 SUBSCRIBE_TIMEOUT_S = 3600.0  # the dispatch stream is renewed after an hour; keepalive notices a dead peer much sooner
 
 
@@ -112,7 +113,8 @@ class LogicalClient:
         self.state: ClientState | None = None
         self._stream: grpc.Future | None = None
         self._data_plane: data_plane.Endpoint | None = None  # announced at registration (runtime.data_plane = "tcp")
-        self._coordinator_identity: PeerIdentity | None = None  # its certificate's, when a revocation list is checked
+        # the certificates of every address behind --coordinator (each of a dns:/// name), when a revocation list is checked
+        self._coordinator_identities: list[PeerIdentity] = []
 
     def cancel(self) -> None:
         """Break out of a blocking dispatch stream (used on SIGTERM)."""
@@ -167,28 +169,21 @@ class LogicalClient:
             self.state = self._prepare(from_json(spec.config_json))
         cfg = self.state.cfg
         counts = np.bincount(self.state.real_y, minlength=self.num_classes)
-        try:
-            reply = stub.Register(
-                pb.RegisterRequest(
-                    client_id=self.client_id,
-                    num_samples=len(self.state.real_y),
-                    fedeas_images=fedeas_total(cfg, counts),
-                    missing_classes=[int(c) for c in np.flatnonzero(counts == 0)] if cfg.generation.policy == "missing" else [],
-                    run_id=spec.run_id,
-                    synthetic_digest=self.state.shared_digest,
-                    label_counts=[int(c) for c in counts] if cfg.train.algorithm == "fedgen" else [],
-                    schema_digest=self.state.schema_digest,
-                    image_channels=self.state.image_channels,
-                    image_size=self.state.image_size,
-                    unknown_classes=list(self.state.unknown_classes),
-                    node_token=NODE_TOKEN,
-                ),
-                timeout=RPC_TIMEOUT_S,
-            )
-        except grpc.RpcError as exc:  # this client's data does not fit the run (e.g. data.max_samples_per_client): final
-            if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise RunEnded(False, f"registration refused: {exc.details()}", EXIT_ERROR) from exc
-            raise
+        request = pb.RegisterRequest(
+            client_id=self.client_id,
+            num_samples=len(self.state.real_y),
+            fedeas_images=fedeas_total(cfg, counts),
+            missing_classes=[int(c) for c in np.flatnonzero(counts == 0)] if cfg.generation.policy == "missing" else [],
+            run_id=spec.run_id,
+            synthetic_digest=self.state.shared_digest,
+            label_counts=[int(c) for c in counts] if cfg.train.algorithm == "fedgen" else [],
+            schema_digest=self.state.schema_digest,
+            image_channels=self.state.image_channels,
+            image_size=self.state.image_size,
+            unknown_classes=list(self.state.unknown_classes),
+            node_token=NODE_TOKEN,
+        )
+        reply = self._register(stub, request, cfg)
         if cfg.train.algorithm == "sdafl" and not reply.synthetic_uploaded:
             try:
                 images, privacy = ensure_samples(
@@ -208,7 +203,7 @@ class LogicalClient:
             upload_mean_data(self._upload_mean_data, self.client_id, reply.session, means_x, means_y, mean_batch=mean_batch,
                              timeout_s=RPC_TIMEOUT_S * 4)
         self._data_plane = None if not reply.data_port else data_plane.Endpoint(
-            self.options.coordinator.rpartition(":")[0].strip("[]"), reply.data_port, self.options.data_plane_tls)
+            data_plane.host_of(self.options.coordinator), reply.data_port, self.options.data_plane_tls)
         log.info("client %d: registered (N_k=%d, %d rounds done)", self.client_id, len(self.state.real_y), reply.completed_rounds)
         stream = self._subscribe(pb.SubscribeRequest(client_id=self.client_id, session=reply.session), timeout=SUBSCRIBE_TIMEOUT_S)
         self._stream = stream
@@ -225,8 +220,7 @@ class LogicalClient:
                     raise RunEnded(message.finished.success, message.finished.reason, message.finished.exit_code)
                 if kind != "task":
                     raise WireError(f"expected a task header, got {kind}")
-                if self._coordinator_identity is not None and self.options.revoked is not None:
-                    refused(self._coordinator_identity, self.options.revoked, what=f"coordinator at {self.options.coordinator}")
+                self._recheck_coordinator()
                 if message.task.evaluate:
                     self._do_evaluation(stub, reply.session, message.task, stream)
                 else:
@@ -243,13 +237,45 @@ class LogicalClient:
             self._stream = None
             stream.cancel()
 
+    def _register(self, stub: pb_grpc.CoordinatorStub, request: pb.RegisterRequest, cfg: RunConfig) -> pb.RegisterReply:
+        """Register; a refusal (FAILED_PRECONDITION: e.g. data.max_samples_per_client) is final, except that another
+        node holds this client id: that may be this node's previous process, killed, whose session the coordinator
+        drops after runtime.heartbeat_timeout_s of silence, so it is retried with backoff until that long (and a
+        margin) has passed, and final only if the other node is still heard from then."""
+        give_up_at: float | None = None
+        for delay in grpcutil.backoff_delays(initial_s=0.5, maximum_s=2.0):
+            try:
+                return stub.Register(request, timeout=RPC_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                if not (isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION):
+                    raise
+                refusal = exc.details() or ""
+            if ID_CLAIMED in refusal and give_up_at is None:
+                wait_s = cfg.runtime.heartbeat_timeout_s + CLAIM_MARGIN_S
+                give_up_at = time.monotonic() + wait_s
+                log.warning("client %d: another node holds client id %d (%s); waiting up to %.0fs in case it is this "
+                            "node's previous process, killed, whose session then times out", self.client_id, self.client_id,
+                            refusal, wait_s)
+            if give_up_at is None or time.monotonic() + delay > give_up_at:
+                raise RunEnded(False, f"registration refused: {refusal}", EXIT_ERROR)
+            if self.stop.wait(delay):
+                raise StopRequested(f"stopped while waiting for client id {self.client_id} to be free")
+        raise AssertionError("unreachable")
+
     def _check_coordinator(self) -> None:
         """With a revocation list: the coordinator's certificate, read in a handshake of our own on every (re)connection
         (gRPC does not show a client its server's certificate), must not be revoked (RevokedServer ends the client)."""
         if self.options.revoked is None or self.options.tls_files is None:
             return
-        [self._coordinator_identity] = check_servers(self.options.coordinator, self.options.tls_files, self.options.revoked,
+        self._coordinator_identities = check_servers(self.options.coordinator, self.options.tls_files, self.options.revoked,
                                                      what="coordinator", timeout_s=RPC_TIMEOUT_S)
+
+    def _recheck_coordinator(self) -> None:
+        """Before each task: the revocation list (re-read if it changed) against every coordinator certificate seen."""
+        if self.options.revoked is None:
+            return
+        for identity in self._coordinator_identities:
+            refused(identity, self.options.revoked, what=f"coordinator at {self.options.coordinator}")
 
     def _prepare(self, cfg: RunConfig) -> ClientState:
         """Load this client's data: its shard of the run's dataset (split mode) or its own folder (local mode), and

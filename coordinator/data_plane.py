@@ -4,7 +4,8 @@ one connection per transfer; the protocol and why are in fedsynth/wire/data_plan
 Every check of the gRPC path holds: an update goes through Federation.accept_update (the open round, the receive slot,
 the digest, keys, shapes, dtypes, finiteness) and a refusal carries the status code gRPC would give. A connection
 reaches a worker (a bounded pool) only once its TLS handshake and request header are whole, within a second
-(coordinator.data_plane_admission); from then on each read has a deadline (the run's heartbeat timeout).
+(coordinator.data_plane_admission); from then on each read and send has a deadline (the run's heartbeat timeout), a
+whole payload, either way, the round's deadline, and a ticket serves one transfer at a time.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import logging
 import socket
 import ssl
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import grpc
@@ -25,13 +27,17 @@ from coordinator.federation import Federation
 from coordinator.receive_slots import SLOTTED_UPLOAD_BYTES, ReceiveSlots, UploadCancelled
 from coordinator.updates import header_fields
 from fedsynth.wire import data_plane as wire
-from fedsynth.errors import StateError, WireError
+from fedsynth.errors import FedsynthError, StateError, WireError
 from fedsynth.wire.tls import AuthenticationError, RevocationList, identity_of_der
 from fedsynth.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger(__name__)
 ACCEPT_POLL_S = 0.25  # how soon the admission loop notices stop()
 MAX_TRANSFERS = 32  # admitted requests served at once; more wait their turn (uploads are also held to the receive slots)
+
+
+class TicketInUse(FedsynthError):
+    """A second transfer on a ticket whose first is still under way: UNAVAILABLE (the client retries once it ends)."""
 
 
 class DataPlaneServer:
@@ -47,6 +53,8 @@ class DataPlaneServer:
                                              backlog=128)
         self.port: int = self.listener.getsockname()[1]
         self._stop = threading.Event()
+        self._tickets_in_use: set[bytes] = set()
+        self._tickets_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(MAX_TRANSFERS, thread_name_prefix="data-plane")
         closed = federation.metrics.data_plane_closed
         self.admission = Admission(self.listener, lambda request: self._pool.submit(self._serve, request), tls=tls,
@@ -79,12 +87,13 @@ class DataPlaneServer:
     def _answer(self, conn: socket.socket, request: Request) -> None:
         op, ticket, header = request.op, request.ticket, request.header
         try:
-            caller = self._caller(conn)
-            if op == wire.FETCH:
-                self._fetch(conn, ticket, caller)
-            else:
-                self._submit(conn, ticket, header, caller)
-        except (UploadCancelled, AuthenticationError, WireError, ValueError, StateError) as exc:
+            with self._one_transfer(ticket):
+                caller = self._caller(conn)
+                if op == wire.FETCH:
+                    self._fetch(conn, ticket, caller)
+                else:
+                    self._submit(conn, ticket, header, caller)
+        except (UploadCancelled, AuthenticationError, WireError, ValueError, StateError, TicketInUse) as exc:
             code = _status_of(exc)
             log.warning("data plane: refused (%s): %s", code.name, exc)
             if op == wire.SUBMIT:
@@ -93,6 +102,21 @@ class DataPlaneServer:
                 wire.send_status(conn, code, str(exc))
             except OSError:
                 pass  # the peer is gone already
+
+    @contextmanager
+    def _one_transfer(self, ticket: bytes) -> Iterator[None]:
+        """Holds the ticket for one transfer: a client fetches, then submits, never both at once, so a second
+        connection on a ticket in use is refused rather than given another worker."""
+        with self._tickets_lock:
+            if ticket in self._tickets_in_use:
+                raise TicketInUse("this data-plane ticket is in use by another transfer (one at a time per ticket); "
+                                  "retry once it ends")
+            self._tickets_in_use.add(ticket)
+        try:
+            yield
+        finally:
+            with self._tickets_lock:
+                self._tickets_in_use.discard(ticket)
 
     def _caller(self, conn: socket.socket) -> int | None:
         """With mutual TLS, the client id of the certificate (not revoked); None in plaintext, where the ticket alone
@@ -113,14 +137,18 @@ class DataPlaneServer:
             raise AuthenticationError(f"client-{caller} presented client {client_id}'s data-plane ticket")
 
     def _fetch(self, conn: socket.socket, ticket: bytes, caller: int | None) -> None:
-        client_id, _, delivery = self.federation.data_plane_client(ticket, task=True)
+        client_id, rnd, delivery = self.federation.data_plane_client(ticket, task=True)
         assert delivery is not None
         self._check_caller(client_id, caller)
         payload = delivery.payload
         if payload.buffer is None:
             raise StateError(f"round {delivery.round}'s payload does not travel on the data plane")
         wire.send_status(conn, grpc.StatusCode.OK)
-        wire.send_payload(conn, payload.buffer, payload.digest, with_size=True)
+        try:
+            wire.send_payload(conn, payload.buffer, payload.digest, with_size=True, deadline=rnd.started + rnd.deadline_s)
+        except WireError as exc:  # mid-payload: no status can follow; the client sees the bytes end and reconnects
+            log.warning("data plane: round %d's payload to client %d cut off: %s", delivery.round, client_id, exc)
+            return
         self.federation.mark_delivered(client_id, delivery.task_id, payload.meta.total_bytes)
 
     def _submit(self, conn: socket.socket, ticket: bytes, raw_header: bytes, caller: int | None) -> None:
@@ -157,6 +185,8 @@ def _status_of(exc: Exception) -> grpc.StatusCode:
     """The code the gRPC servicer gives the same refusal."""
     if isinstance(exc, UploadCancelled):
         return grpc.StatusCode.CANCELLED
+    if isinstance(exc, TicketInUse):
+        return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, AuthenticationError):
         return grpc.StatusCode.PERMISSION_DENIED
     if isinstance(exc, StateError):

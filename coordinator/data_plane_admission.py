@@ -9,6 +9,7 @@ Why not a deadline per read in the workers: 48 connections that each sent one by
 from __future__ import annotations
 
 import logging
+import resource
 import selectors
 import socket
 import ssl
@@ -27,8 +28,17 @@ from fedsynth.wire import data_plane as wire
 log = logging.getLogger(__name__)
 ADMISSION_S = 1.0  # the TLS handshake and the whole request header, together: a client sends both at once
 MAX_PENDING_PER_PEER = 32  # connections of one address still in admission; more are closed at once (UNAVAILABLE, retried)
-MAX_PENDING = 1024  # in admission from all addresses: a bound on file descriptors
+MAX_PENDING_CEILING = 4096  # in admission from all addresses, however many file descriptors the process may open
 POLL_S = 0.25  # how soon the loop notices stop()
+
+
+def pending_cap(soft_nofile: int) -> int:
+    """How many connections may be in admission at once, from the process's soft RLIMIT_NOFILE: half of it, so the
+    other half stays for the gRPC server's connections, the transfer workers', files and checkpoints (1,024, the common
+    soft limit, gives 512); RLIM_INFINITY gives the ceiling."""
+    if soft_nofile == resource.RLIM_INFINITY or soft_nofile < 0:
+        return MAX_PENDING_CEILING
+    return max(1, min(MAX_PENDING_CEILING, soft_nofile // 2))
 
 
 @dataclass(frozen=True)
@@ -55,17 +65,19 @@ class _Pending:
 
 class Admission:
     """Runs `serve(request)` (which hands it to a pool) for each admitted request; refuses a malformed one with its
-    status; closes one that misses its deadline ("deadline") or comes from an address over its cap ("over_cap"),
-    telling `closed(reason)`."""
+    status; closes one that misses its deadline ("deadline"), comes from an address over its cap or past the cap of
+    all pending ones ("over_cap"), or meets an unexpected error ("error": logged, that connection closed, the loop goes
+    on), telling `closed(reason)`."""
 
     def __init__(self, listener: socket.socket, serve: Callable[[Request], None], *, tls: ssl.SSLContext | None,
                  deadline_s: float = ADMISSION_S, per_peer: int = MAX_PENDING_PER_PEER,
-                 closed: Callable[[str], None] = lambda reason: None) -> None:
+                 max_pending: int | None = None, closed: Callable[[str], None] = lambda reason: None) -> None:
         self.listener = listener
         self.serve = serve
         self.tls = tls
         self.deadline_s = deadline_s
         self.per_peer = per_peer
+        self.max_pending = pending_cap(resource.getrlimit(resource.RLIMIT_NOFILE)[0]) if max_pending is None else max_pending
         self.closed = closed
         self._pending: dict[socket.socket, _Pending] = {}
         self._per_host: Counter[str] = Counter()
@@ -82,8 +94,8 @@ class Admission:
                 for key, _ in self._selector.select(timeout):
                     if key.fileobj is self.listener:
                         self._accept()
-                    else:
-                        self._advance(self._pending[key.fileobj])  # type: ignore[index]
+                    elif (pending := self._pending.get(key.fileobj)) is not None:  # type: ignore[call-overload]
+                        self._advance_or_drop(pending)
                 self._cut_off_late()
         finally:
             for pending in list(self._pending.values()):
@@ -99,20 +111,39 @@ class Admission:
             except OSError as exc:  # e.g. out of file descriptors: the next accept may work
                 log.warning("data plane: accept failed: %s", exc)
                 return
-            host = peer[0] if isinstance(peer, tuple) else str(peer)
-            if self._per_host[host] >= self.per_peer or len(self._pending) >= MAX_PENDING:
-                self.closed("over_cap")
-                sock.close()
-                continue
+            self._admit(sock, peer)
+
+    def _admit(self, sock: socket.socket, peer: Any) -> None:
+        host = peer[0] if isinstance(peer, tuple) else str(peer)
+        if self._per_host[host] >= self.per_peer or len(self._pending) >= self.max_pending:
+            self.closed("over_cap")
+            sock.close()
+            return
+        try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls is not None:
                 sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-            pending = _Pending(sock, peer, time.monotonic() + self.deadline_s, handshaking=self.tls is not None)
-            self._pending[sock] = pending
-            self._per_host[host] += 1
             self._selector.register(sock, selectors.EVENT_READ)
+        except Exception as exc:  # e.g. a reset before the wrap, an ssl error: this connection only
+            self._failed(peer, exc)
+            sock.close()
+            return
+        pending = _Pending(sock, peer, time.monotonic() + self.deadline_s, handshaking=self.tls is not None)
+        self._pending[sock] = pending
+        self._per_host[host] += 1
+        self._advance_or_drop(pending)
+
+    def _advance_or_drop(self, pending: _Pending) -> None:
+        try:
             self._advance(pending)
+        except Exception as exc:  # anything _advance does not expect (serve() included): close this one, go on
+            self._failed(pending.peer, exc)
+            self._drop(pending)
+
+    def _failed(self, peer: Any, exc: Exception) -> None:
+        log.warning("data plane: connection from %s closed after an unexpected error in admission: %r", peer, exc, exc_info=exc)
+        self.closed("error")
 
     def _advance(self, pending: _Pending) -> None:
         """As far as the bytes that arrived allow: the handshake, the request's fixed part, its header."""
@@ -167,7 +198,10 @@ class Admission:
 
     def _drop(self, pending: _Pending) -> None:
         self._release(pending)
-        pending.sock.close()
+        try:
+            pending.sock.close()
+        except OSError:
+            pass
 
     def _release(self, pending: _Pending) -> None:
         if self._pending.pop(pending.sock, None) is None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from coordinator.dispatch import Finished
 from coordinator.metrics import CoordinatorMetrics
-from fedsynth.errors import StateError, WireError
+from fedsynth.errors import ID_CLAIMED, StateError, WireError
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class ClientRegistry:
             if old and node_token and old.node_token and node_token != old.node_token:
                 last_seen = max(old.registered_at, old.last_heartbeat or 0.0)
                 if time.monotonic() - last_seen < live_within_s:
-                    problem = (f"client {client_id}: two nodes claim client id {client_id}: another node holds it and was "
+                    problem = (f"client {client_id}: {ID_CLAIMED} {client_id}: another node holds it and was "
                                f"heard from {time.monotonic() - last_seen:.1f}s ago (runtime.heartbeat_timeout_s = "
                                f"{live_within_s:g})")
                     log.warning("refused %s", problem)

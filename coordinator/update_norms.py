@@ -4,7 +4,9 @@ that moves it further than the bound: scaled down onto it ("clip") or left out o
 The norm is the L2 norm, accumulated in float64, of every floating-point tensor the update carries as a difference from
 the round's global model: the model's weights and floating-point buffers (BatchNorm's running statistics) minus the
 global ones (an update sent as float16 / bfloat16 deltas is that difference already), plus the algorithm's extra
-tensors, which are differences too (SCAFFOLD's delta c_i). Integer buffers (num_batches_tracked) are left out.
+tensors, which are differences too (SCAFFOLD's delta c_i). Integer buffers (num_batches_tracked) are left out of the
+norm and bounded on their own: a counter of local steps never moves backwards, and no honest round advances it by
+MAX_INTEGER_STEP (which keeps it exact, below 2**53, in the float64 fold for two million rounds).
 """
 
 from __future__ import annotations
@@ -19,22 +21,38 @@ from dataclasses import dataclass
 import torch
 
 from fedsynth.config import RuntimeConfig
+from fedsynth.errors import WireError
 
 StateDict = dict[str, torch.Tensor]
+MAX_INTEGER_STEP = 1 << 32  # the most an integer buffer may advance in one round (a round of 2**32 local batches: never)
 
 
 def update_norm(state: StateDict, extra: StateDict, global_state: StateDict, *, deltas: bool) -> float:
-    """The L2 distance the update moves the global model (see the module docstring for what it covers)."""
+    """The L2 distance the update moves the global model (see the module docstring for what it covers); WireError naming
+    the tensor when an integer buffer moves backwards or advances by more than MAX_INTEGER_STEP."""
     squares = 0.0
     with torch.no_grad():
         for key, value in state.items():
-            if value.is_floating_point():
+            if not value.is_floating_point():
+                check_integer_step(key, value, global_state[key])
+            else:
                 difference = value if deltas else value - global_state[key].to(value.device, value.dtype)
                 squares += float(torch.linalg.vector_norm(difference, dtype=torch.float64)) ** 2
         for value in extra.values():
             if value.is_floating_point():
                 squares += float(torch.linalg.vector_norm(value, dtype=torch.float64)) ** 2
     return math.sqrt(squares)
+
+
+def check_integer_step(key: str, value: torch.Tensor, global_value: torch.Tensor) -> None:
+    """An integer buffer (absolute, also in a delta update) may only advance, by at most MAX_INTEGER_STEP."""
+    step = value.to("cpu", torch.int64) - global_value.to("cpu", torch.int64)
+    if step.numel() and int(step.min()) < 0:
+        raise WireError(f"integer buffer {key!r} moves backwards, from {int(global_value.flatten()[int(step.argmin())])} to "
+                        f"{int(value.flatten()[int(step.argmin())])}: refused (runtime.max_update_norm)")
+    if step.numel() and int(step.max()) > MAX_INTEGER_STEP:
+        raise WireError(f"integer buffer {key!r} advances by {int(step.max())} in one round, more than {MAX_INTEGER_STEP}: "
+                        "refused (runtime.max_update_norm)")
 
 
 @dataclass(frozen=True)

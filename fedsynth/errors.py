@@ -21,6 +21,12 @@ class StateError(FedsynthError):
     """A well-formed request that does not fit the current state (a closed round, a stale session)."""
 
 
+# Register's refusal (FAILED_PRECONDITION) when another node was heard from under the claimed client id within
+# runtime.heartbeat_timeout_s: a client node that finds it in the message waits that long for the old session to time
+# out (it may be this node's own previous process, killed) before it takes the refusal as final.
+ID_CLAIMED = "two nodes claim client id"
+
+
 class QuorumError(FedsynthError):
     """Too few clients answered or stayed reachable for a round to close."""
 

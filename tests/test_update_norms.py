@@ -11,11 +11,12 @@ from prometheus_client import CollectorRegistry
 
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.registry import ClientRegistry
-from coordinator.update_norms import NormBound, update_norm
+from coordinator.update_norms import MAX_INTEGER_STEP, NormBound, update_norm
 from fedsynth.algorithms.base import Aggregator
 from fedsynth.algorithms.scaffold import ScaffoldAggregator
 from fedsynth.config import load_config
-from fedsynth.errors import StateError
+from fedsynth.errors import StateError, WireError
+from fedsynth.learning.models import build_model
 from fedsynth.wire import wire_dtype
 
 StateDict = dict[str, torch.Tensor]
@@ -137,3 +138,27 @@ def test_a_registration_above_max_samples_per_client_is_refused_naming_client_va
     assert refused == 1
     unlimited, _ = registry(max_samples=0)
     assert register(unlimited, 1, 10**9)
+
+
+def test_an_integer_buffer_may_only_advance_and_by_at_most_the_stated_step() -> None:
+    global_state, local = states()
+    for deltas in (False, True):  # integer buffers stay absolute in a delta update too
+        assert update_norm({**local, "n": torch.tensor(5 + MAX_INTEGER_STEP)}, {}, global_state, deltas=deltas) > 0
+    with pytest.raises(WireError, match=r"integer buffer 'n' moves backwards, from 5 to 4: refused \(runtime.max_update_norm\)"):
+        update_norm({**local, "n": torch.tensor(4)}, {}, global_state, deltas=False)
+    with pytest.raises(WireError, match=f"integer buffer 'n' advances by {MAX_INTEGER_STEP + 1} in one round, more than"):
+        update_norm({**local, "n": torch.tensor(6 + MAX_INTEGER_STEP)}, {}, global_state, deltas=True)
+    with pytest.raises(WireError, match="advances by"):  # int64's extremes, which wrap in the difference, too
+        update_norm({**local, "n": torch.tensor(torch.iinfo(torch.int64).max)}, {}, global_state, deltas=False)
+    with pytest.raises(WireError):
+        update_norm({**local, "n": torch.tensor(torch.iinfo(torch.int64).min)}, {}, global_state, deltas=False)
+
+
+@pytest.mark.parametrize("name", ["cnn", "resnet18", "unet-tiny"])
+def test_the_only_integer_buffer_of_a_model_is_a_counter_no_forward_pass_reads(name: str) -> None:
+    """Why an integer buffer folded unbounded (max_update_norm off) is harmless: BatchNorm reads num_batches_tracked
+    only when its momentum is None, and no fedsynth model sets that (docs/security.md)."""
+    model = build_model(name, num_classes=10, in_channels=3, image_size=32)
+    integers = [key for key, value in model.state_dict().items() if not value.is_floating_point()]
+    assert all(key.endswith("num_batches_tracked") for key in integers), integers
+    assert all(m.momentum is not None for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm))

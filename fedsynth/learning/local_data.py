@@ -21,6 +21,7 @@ import numpy as np
 from fedsynth.errors import DataError
 from fedsynth.learning.data import ArrayDataset
 from fedsynth.learning.hf_data import read_hf_folder
+from fedsynth.learning.image_arrays import checked_image_arrays
 from fedsynth.learning.image_cache import DecodedCache, listing_digest
 from fedsynth.learning.label_schema import MODE_CHANNELS, SCHEMA_FILE, LabelSchema, read_schema_file, relabel_by_name
 
@@ -178,11 +179,7 @@ def _read_npz(path: Path, schema: LabelSchema, where: str) -> tuple[ArrayDataset
             x, y, names = archive["x"], archive["y"], [str(n) for n in archive["classes"]]
     except (OSError, ValueError) as exc:
         raise DataError(f"{where}: {path.name}: not a readable .npz file ({exc})") from None
-    if x.ndim == 3:
-        x = x[..., None]
-    if x.dtype != np.uint8 or x.ndim != 4 or y.ndim != 1 or len(y) != len(x) or not np.issubdtype(y.dtype, np.integer):
-        raise DataError(f"{where}: {path.name}: x must be uint8 N x H x W x C and y N integer labels, "
-                        f"found x {x.dtype} {x.shape}, y {y.dtype} {y.shape}")
+    x, y = checked_image_arrays(x, y, f"{where}: {path.name}")
     if x.shape[1:3] != (schema.image_size, schema.image_size):
         raise DataError(f"{where}: {path.name}: field x: images are {x.shape[1]}x{x.shape[2]}, data.image_size is "
                         f"{schema.image_size} (arrays in an .npz are not resized)")

@@ -109,6 +109,11 @@ class Endpoint:
         return f"{self.host}:{self.port}"
 
 
+def host_of(target: str) -> str:
+    """The host of the coordinator's gRPC target (HOST:PORT, [V6]:PORT or dns:///NAME:PORT): its data plane's host."""
+    return target.removeprefix("dns:///").rpartition(":")[0].strip("[]")
+
+
 # ---- framing, both sides -------------------------------------------------------------------------------------------
 
 def read_exact(sock: socket.socket, size: int, what: str) -> bytes:
@@ -172,18 +177,44 @@ def prepare(buffer: torch.Tensor) -> PreparedPayload:
     return PreparedPayload(PayloadMeta(buffer.numel(), "", 0), (), buffer=buffer, digest=digest_of(byte_view(buffer)))
 
 
-def send_payload(sock: socket.socket, payload: Payload, digest: bytes | None = None, *, with_size: bool = False) -> None:
+def send_payload(sock: socket.socket, payload: Payload, digest: bytes | None = None, *, with_size: bool = False,
+                 deadline: float | None = None) -> None:
     """The payload's bytes (after their size, `with_size`), then their checksum (computed piece by piece as sent,
-    unless given)."""
+    unless given). With a `deadline` (time.monotonic()), all of it by then, or WireError naming how much went: the
+    socket's own timeout bounds each stall, the deadline the whole send (a peer reading a little at a time)."""
     parts = [byte_view(payload)] if isinstance(payload, torch.Tensor) else payload
-    if with_size:
-        sock.sendall(_TOTAL.pack(sum(part.nbytes for part in parts)))
-    hasher = None if digest is not None else new_checksum()
-    for piece in _pieces(parts):
-        sock.sendall(piece)
-        if hasher is not None:
-            hasher.update(piece)
-    sock.sendall(digest if digest is not None else hasher.digest())  # type: ignore[union-attr]
+    total = sum(part.nbytes for part in parts)
+    stall = sock.gettimeout()
+    sent = 0
+
+    def send(data: bytes | memoryview) -> None:
+        nonlocal sent
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WireError(f"payload not sent within its deadline ({sent} of {total} bytes)")
+            sock.settimeout(left if stall is None else min(stall, left))
+        try:
+            sock.sendall(data)
+        except TimeoutError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WireError(f"payload not sent within its deadline ({sent} of {total} bytes)") from None
+            raise
+        sent += len(data) if isinstance(data, bytes) else data.nbytes
+
+    try:
+        if with_size:
+            send(_TOTAL.pack(total))
+            sent = 0
+        hasher = None if digest is not None else new_checksum()
+        for piece in _pieces(parts):
+            send(piece)
+            if hasher is not None:
+                hasher.update(piece)
+        send(digest if digest is not None else hasher.digest())  # type: ignore[union-attr]
+    finally:
+        if deadline is not None:
+            sock.settimeout(stall)
 
 
 def _pieces(parts: Sequence[memoryview]) -> Iterator[memoryview]:

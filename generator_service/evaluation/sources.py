@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from fedsynth.wire import grpcutil
 from fedsynth.errors import ConfigError
 from fedsynth.generation.generator_client import GeneratorInfo, fetch_images
+from fedsynth.learning.image_arrays import checked_image_arrays
 
 INFO_TIMEOUT_S = 60.0  # a generator still loading answers UNAVAILABLE meanwhile
 
@@ -86,11 +87,7 @@ def from_npz(path: Path, *, per_class: int | None) -> GeneratedImages:
             x, y = np.asarray(archive["x"]), np.asarray(archive["y"])
     except (OSError, ValueError) as exc:
         raise ConfigError(f"--images {path}: not a readable .npz file ({exc})") from exc
-    if x.ndim == 3:
-        x = x[..., None]
-    if x.dtype != np.uint8 or x.ndim != 4 or y.ndim != 1 or len(y) != len(x) or not np.issubdtype(y.dtype, np.integer):
-        raise ConfigError(f"--images {path}: need x uint8 N x H x W x C and N integer labels y, "
-                          f"got x {x.dtype} {x.shape}, y {y.dtype} {y.shape}")
+    x, y = checked_image_arrays(x, y, f"--images {path}", ConfigError)
     y = y.astype(np.int64)
     if len(y) == 0 or y.min() < 0:
         raise ConfigError(f"--images {path}: labels must be integers >= 0, got {len(y)} labels")

@@ -61,11 +61,14 @@ def attacked(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_an_update_1000_times_the_median_norm_is_refused_and_the_run_ends_as_with_the_client_honest(
         reference: dict[str, Any], attacked: dict[str, Any], tmp_path: Path) -> None:
-    for entry in attacked["rounds"]:
+    for i, entry in enumerate(attacked["rounds"]):
         norms = entry["update_norms"]
         assert norms["norms"][str(BAD)] >= 500 * norms["median"], entry  # finite (measured: 592-4,148 x the median)
         assert norms["refused"] == [BAD] and norms["clipped"] == [], entry
-        assert norms["bound"] == pytest.approx(10 * norms["median"]), entry
+        # 10 x the median of this round's norms and of those folded as sent in the 3 rounds before it
+        earlier = [n for e in attacked["rounds"][max(0, i - 3):i] for c, n in e["update_norms"]["norms"].items()
+                   if int(c) not in e["update_norms"]["refused"] + e["update_norms"]["clipped"]]
+        assert norms["bound"] == pytest.approx(10 * statistics.median([*norms["norms"].values(), *earlier])), entry
         assert entry["participants"] == [0, 1, 2], entry
     bad_ratios = [e["update_norms"]["norms"][str(BAD)] / e["update_norms"]["median"] for e in attacked["rounds"]]
     print(f"bad norm / median: {min(bad_ratios):.0f} to {max(bad_ratios):.0f}")

@@ -101,7 +101,7 @@ def grpc_round_trips(address: str, rounds: int) -> list[dict[str, float]]:
             task = next(m.task for m in stream if m.WhichOneof("kind") == "task")
             started = time.perf_counter()
             if task.data_ticket:  # checksummed (XXH3-128) as it arrives
-                buffer = data_plane.fetch(endpoint, task.data_ticket, timeout_s=600)
+                buffer = data_plane.fetch(endpoint, task.data_ticket, timeout_s=600, buffers=buffers)
             else:  # the XXH3-128 is computed while the chunks arrive
                 meta = codec.meta_of(task.payload)
                 buffer = receive_into(meta, ((m.chunk.seq, m.chunk.data) for m in _chunks(stream, task.payload.num_chunks)),

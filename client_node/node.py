@@ -322,7 +322,8 @@ class LogicalClient:
 
         meta = codec.meta_of(task.payload)
         if task.data_ticket:
-            buffer = data_plane.fetch(self._endpoint(), task.data_ticket, timeout_s=max(RPC_TIMEOUT_S, task.deadline_s))
+            buffer = data_plane.fetch(self._endpoint(), task.data_ticket, timeout_s=max(RPC_TIMEOUT_S, task.deadline_s),
+                                      buffers=self.options.receive_buffers)
         elif task.inline_payload:
             buffer = receive_inline(meta, task.inline_payload)
         else:

@@ -28,6 +28,7 @@ from coordinator.receive_slots import SLOTTED_UPLOAD_BYTES, ReceiveSlots, Upload
 from coordinator.updates import header_fields
 from fedsynth.wire import data_plane as wire
 from fedsynth.errors import FedsynthError, StateError, WireError
+from fedsynth.wire.tensor_buffer import ReceiveBuffers
 from fedsynth.wire.tls import AuthenticationError, RevocationList, identity_of_der
 from fedsynth.v1 import coordinator_pb2 as pb
 
@@ -42,9 +43,11 @@ class TicketInUse(FedsynthError):
 
 class DataPlaneServer:
     def __init__(self, federation: Federation, receive_slots: ReceiveSlots, *, host: str, port: int = 0,
-                 tls: ssl.SSLContext | None = None, revoked: RevocationList | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, revoked: RevocationList | None = None,
+                 receive_buffers: ReceiveBuffers | None = None) -> None:
         self.federation = federation
         self.receive_slots = receive_slots
+        self.receive_buffers = receive_buffers
         self.tls = tls
         self.revoked = revoked
         # a stalled peer (no byte for this long) is dropped: the time after which a silent client counts as gone
@@ -170,7 +173,7 @@ class DataPlaneServer:
             if total > max_bytes:
                 raise WireError(f"announced payload of {total} bytes exceeds the limit of {max_bytes}")
             wire.send_status(conn, grpc.StatusCode.OK)  # go: the header fits the round and a slot is held
-            return wire.receive_payload(conn, total, deadline=rnd.started + rnd.deadline_s)
+            return wire.receive_payload(conn, total, deadline=rnd.started + rnd.deadline_s, buffers=self.receive_buffers)
 
         def receiving() -> Any:
             if total < SLOTTED_UPLOAD_BYTES:

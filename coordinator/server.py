@@ -84,9 +84,10 @@ def create_server(
     add_strictly(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, security.guard(servicer, CLAIMED_CLIENT_ID), server,
                  parsers={"SubmitUpdate": parsing_chunks(coordinator_pb2.UpdateChunk.FromString)})  # chunks as views: no copies
     data_plane = None
-    if cfg.runtime.data_plane == "tcp":  # shares the receive slots: at most two large updates in memory, whichever path
+    if cfg.runtime.data_plane == "tcp":  # shares the receive slots and buffers: two large updates at once, whichever path
         data_plane = DataPlaneServer(federation, servicer.receive_slots, host=host, port=data_port, revoked=security.revoked,
-                                     tls=None if security.files is None else tls.ssl_server_context(security.files))
+                                     tls=None if security.files is None else tls.ssl_server_context(security.files),
+                                     receive_buffers=servicer.receive_buffers)
         federation.data_port = data_plane.port
     health_servicer = grpcutil.add_health(server, SERVICE_NAME)
     bound = grpcutil.bind(server, f"{host}:{port}", credentials)

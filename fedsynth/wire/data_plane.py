@@ -36,7 +36,7 @@ import xxhash
 
 from fedsynth.wire.codec import CHUNK_BYTES, MAX_PAYLOAD_BYTES, PayloadMeta
 from fedsynth.errors import WireError
-from fedsynth.wire.tensor_buffer import fresh_buffer
+from fedsynth.wire.tensor_buffer import ReceiveBuffers, fresh_buffer
 from fedsynth.wire.transfer import PreparedPayload, byte_view
 
 MAGIC = b"FSD2"  # FSD1 (2026-12-04) carried a 32-byte BLAKE3 digest
@@ -237,9 +237,10 @@ def _pieces(parts: Sequence[memoryview]) -> Iterator[memoryview]:
         yield memoryview(small)
 
 
-def receive_payload(sock: socket.socket, total: int, *, deadline: float) -> torch.Tensor:
+def receive_payload(sock: socket.socket, total: int, *, deadline: float, buffers: ReceiveBuffers | None = None) -> torch.Tensor:
     """`total` bytes into one fresh buffer, hashed as they arrive, then checked against the sender's digest."""
-    buffer = fresh_buffer(total)  # untouched pages: an announced size never sent costs no memory
+    # untouched pages: an announced size never sent costs no memory
+    buffer = fresh_buffer(total) if buffers is None else buffers.take(total)
     view = byte_view(buffer)
     hasher = new_checksum()
     got = hashed = 0
@@ -282,7 +283,8 @@ def _raise_unless_ok(sock: socket.socket) -> None:
         raise DataPlaneError(code, message)
 
 
-def fetch(endpoint: Endpoint, ticket: bytes, *, timeout_s: float, max_bytes: int = MAX_PAYLOAD_BYTES) -> torch.Tensor:
+def fetch(endpoint: Endpoint, ticket: bytes, *, timeout_s: float, max_bytes: int = MAX_PAYLOAD_BYTES,
+          buffers: ReceiveBuffers | None = None) -> torch.Tensor:
     """The task payload this ticket names, verified; DataPlaneError (UNAVAILABLE when the link failed, else the
     coordinator's refusal) or WireError (the bytes are not what was announced)."""
     deadline = time.monotonic() + timeout_s
@@ -293,7 +295,7 @@ def fetch(endpoint: Endpoint, ticket: bytes, *, timeout_s: float, max_bytes: int
             (total,) = _TOTAL.unpack(read_exact(sock, _TOTAL.size, "the payload size"))
             if total > max_bytes:
                 raise WireError(f"announced payload of {total} bytes exceeds the limit of {max_bytes}")
-            return receive_payload(sock, total, deadline=deadline)
+            return receive_payload(sock, total, deadline=deadline, buffers=buffers)
         except (OSError, ssl.SSLError, ConnectionClosed) as exc:  # a broken link: retried, or the client reconnects
             raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, f"data plane {endpoint}: {exc}") from exc
 

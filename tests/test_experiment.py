@@ -336,3 +336,10 @@ def test_an_sdafl_run_reports_its_weakest_clients_epsilon(tmp_path: Path) -> Non
     assert (metrics["epsilon"], metrics["delta"], metrics["budget"], metrics["rounds_to_threshold"]) == (9.75, 2e-4, 400, 2)
     (tmp_path / "coordinator.json").write_text(json.dumps({"sdafl": None}))
     assert run_metrics(tmp_path, last_n=1, threshold=0.15)["epsilon"] is None
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "deploy" / "configs").glob("experiment-*.toml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_experiment_config_loads(path: Path) -> None:
+    experiment = load_experiment(path)
+    assert experiment.arms and len({arm.name for arm in experiment.arms}) == len(experiment.arms)

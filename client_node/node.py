@@ -41,10 +41,9 @@ from fedsynth.wire.raw_messages import submit_update_call, subscribe_call, uploa
 from fedsynth.wire.server_check import ServerUnreachable, check_servers, refused
 from fedsynth.wire.tls import PeerIdentity, RevocationList, TLSFiles
 from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_OK
-from fedsynth.wire.tensor_buffer import decode_views, encode_parts
+from fedsynth.wire.tensor_buffer import ReceiveBuffers, decode_views, encode_parts
 from fedsynth.learning.evaluation import count_predictions
 from fedsynth.learning.training import TrainData, images_to_tensor
-from fedsynth.wire.tensor_buffer import ReceiveBuffers
 from fedsynth.wire.transfer import receive_inline, receive_into
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc

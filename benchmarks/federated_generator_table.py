@@ -126,14 +126,20 @@ def pooled_from_checkpoint(run_dir: Path) -> tuple[np.ndarray, np.ndarray, np.nd
 def pooled_sdafl_images(run_dir: Path, labelled: Path, every: Path) -> dict[str, Any]:
     """SDA-FL's pooled DP-GAN images: the labelled ones with their last pseudo-labels to `labelled`, and all of them to
     `every` with round-robin labels (for the label-free figures only: Fréchet distance, the judge's classes)."""
+    from generator_service import load_judge
+
     x, y, owner = pooled_from_checkpoint(run_dir)
     keep = y >= 0
     np.savez(labelled, x=x[keep], y=y[keep])
+    # `evaluate` refuses a labelled set that misses a class; its recognizability, computed the same way here
+    judged = load_judge("digits").score(x[keep])[1].argmax(axis=1) if keep.any() else y[keep]
     np.savez(every, x=x, y=np.arange(len(x)) % 10)
     rounds = json.loads((run_dir / "coordinator.json").read_text())["rounds"]
     return {"pooled": int(len(y)), "labelled": int(keep.sum()), "coverage": float(keep.mean()),
             "uploaders": len(set(owner.tolist())), "labels_per_class": np.bincount(y[keep], minlength=10).tolist(),
             "labelled_by_client": {str(c): int(keep[owner == c].sum()) for c in sorted(set(owner.tolist()))},
+            "judge_agrees_with_labels": float((judged == y[keep]).mean()) if keep.any() else None,
+            "judge_classes_of_labelled": np.bincount(judged, minlength=10).tolist(),
             "coverage_per_round": [r.get("pseudo_label_coverage") for r in rounds],
             # SDA-FL's own diagnostic (sdafl.track_agreement): its labels against a logistic regression on the real split
             "reference_agreement_per_round": [r.get("pseudo_label_agreement") for r in rounds]}
@@ -261,7 +267,11 @@ def table(out: Path, all_rows: list[Row]) -> str:
                 return f"{values.mean():.{digits}f}{spread}" + (f" ({len(values)})" if len(values) < len(cells) else "")
 
             labelled = key != "all_pooled"
-            lines.append(f"| {label} | {len(cells)} | {stat(lambda c: c[key]['recognizability'], 3) if labelled else '-'} | "
+            if row.kind == "sdafl" and labelled:  # `evaluate` refused the labelled set: the judge's agreement, by hand
+                recognizable = stat(lambda c: c["sdafl"]["judge_agrees_with_labels"], 3, None) + "*"
+            else:
+                recognizable = stat(lambda c: c[key]["recognizability"], 3) if labelled else "-"
+            lines.append(f"| {label} | {len(cells)} | {recognizable} | "
                          f"{stat(lambda c: c[key]['cas'], 3) if labelled else '-'} | {stat(lambda c: c[key]['frechet'], 1)} | "
                          f"{stat(lambda c: c['train']['wall_s'], 0, None)} | {stat(lambda c: c['train']['cpu_s'], 0, None)} |")
     return "\n".join(lines)
@@ -302,7 +312,7 @@ def main() -> int:
         stop = datetime.datetime.now().replace(hour=hour, minute=minute, second=0, microsecond=0)
     for path in sorted((args.out / "cells").glob("sdafl-s[0-9]*.json")):  # cells an earlier version of this file wrote
         cell, work = json.loads(path.read_text()), args.out / "work" / path.stem
-        if "all_pooled" not in cell and (work / "run").is_dir():
+        if not ("all_pooled" in cell and "judge_agrees_with_labels" in cell["sdafl"]) and (work / "run").is_dir():
             for stale in ("scores_judge_labels", "evaluate_judge_labels"):
                 cell.pop(stale, None)
             cell["sdafl"] = {**cell["sdafl"], **pooled_sdafl_images(work / "run", work / "pooled.npz", work / "pooled-all.npz")}

@@ -1,21 +1,24 @@
 """The generator process: class-conditional DDPM served over gRPC, generator training, and the DP-GAN used by SDA-FL.
 
 Public entry points (the rest is internal): `create_server(ServeConfig(...))` serves a backend in this process, as
-`fedsynth generator serve` does; `fedsynth generator train` writes a model folder. They load lazily, so importing
+`fedsynth generator serve` does; `fedsynth generator train` writes a model folder; `load_judge(dataset)` is the cached
+classifier `fedsynth generator evaluate` scores with. They load lazily, so importing
 one submodule (the DP-GAN, say) does not load the serving stack.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from fedsynth.wire.tls import ServerSecurity
+    from generator_service.evaluation.judge import Judge
     from generator_service.serve_cmd import GeneratorServer, ServeConfig
 
-__all__ = ["GeneratorServer", "ServeConfig", "create_server"]
+__all__ = ["GeneratorServer", "ServeConfig", "create_server", "load_judge"]
 
 
 def create_server(
@@ -28,6 +31,15 @@ def create_server(
     from generator_service.serve_cmd import GeneratorServer
 
     return GeneratorServer(config, registry=registry, security=security)
+
+
+def load_judge(dataset: str, *, data_dir: Path | None = None, seed: int = 0, cache: Path | None = None) -> Judge:
+    """`fedsynth generator evaluate`'s default judge for `dataset` (its CPU recipe, `seed`), from the judge cache
+    (default $FEDSYNTH_CACHE/judges), trained and cached when absent. `judge.score(uint8 N x H x W x C)` gives
+    (features, class probabilities)."""
+    from generator_service.evaluation.judge import load_or_train_judge
+
+    return load_or_train_judge(dataset, data_dir=data_dir, seed=seed, root=cache)
 
 
 def __getattr__(name: str) -> Any:

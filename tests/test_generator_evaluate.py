@@ -214,3 +214,13 @@ def test_a_cpu_judge_keeps_its_cache_folder_and_a_gpu_judge_gets_another(tmp_pat
     if holdout["judge"]["device"] == "cpu":  # auto chose the CPU here: the same judge, read from its cache
         assert again["judge"]["cached"] and holdout["judge"]["folder"] == again["judge"]["folder"]
         assert again["recognizability"] == holdout["recognizability"] and again["cas"] == holdout["cas"]
+
+
+def test_load_judge_is_the_cached_judge_evaluate_scored_with(judges: Path, holdout: dict[str, Any]) -> None:
+    from generator_service import load_judge
+
+    judge = load_judge("digits", cache=judges)
+    assert judge.cached and str(judge.folder) == holdout["judge"]["folder"]  # the one `evaluate` trained, not a new one
+    test = load_dataset("digits", "test")
+    _, probs = judge.score(test.x)
+    assert float((probs.argmax(axis=1) == test.y).mean()) == pytest.approx(holdout["judge_test_accuracy"])

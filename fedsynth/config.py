@@ -251,7 +251,7 @@ class SdaflConfig(Section):
     secure_noise: bool = False  # True: unpredictable DP noise (Opacus secure_mode); runs stop being reproducible
     target_epsilon: float = 10.0  # 0: no target, use noise_multiplier as given
     noise_multiplier: float = 1.0  # DP-SGD noise on the critic when target_epsilon is 0
-    delta: float = 0.0  # 0: 1 / N_k^1.1 for each client
+    delta: float = 0.0  # 0: min(1e-5, N_k^-1.1) for each client (1e-5 for any shard under ~35,000 images)
     max_grad_norm: float = 1.0  # per-sample gradient clipping norm of the critic
     accountant: str = "rdp"  # the Opacus privacy accountant
     server_steps: int = 20  # global-model steps on the labelled synthetic set after each aggregation

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -45,14 +46,18 @@ def _difference(state: dict[str, torch.Tensor], reference: dict[str, torch.Tenso
     return {key: state[key].double() - reference[key].double() for key in reference}
 
 
+def _client_round(cfg: RunConfig, algorithm: FedDdpm, start: dict[str, torch.Tensor], client: int, model: torch.nn.Module) -> Any:
+    """One round of local training of `client` on its shard, from `start`."""
+    model.load_state_dict(start)
+    shard = client_shard(cfg, client)
+    data = TrainData(images_to_tensor(shard.x), torch.as_tensor(shard.y, dtype=torch.int64))
+    return algorithm.client_update(model=model, data=data, cfg=local_train_config(cfg), server_extra={}, client_state={},
+                                   generator=round_generator(cfg, client, 1))
+
+
 def test_a_client_clips_its_own_update_to_s_under_user_dp() -> None:
     cfg, algorithm, start = _setup('federate.dp="user"', "federate.clip=0.05", "federate.noise_multiplier=1.0")
-    model = model_for(cfg, num_classes=10, in_channels=1, image_size=8)
-    model.load_state_dict(start)
-    shard = client_shard(cfg, 0)
-    data = TrainData(images_to_tensor(shard.x), torch.as_tensor(shard.y, dtype=torch.int64))
-    update = algorithm.client_update(model=model, data=data, cfg=local_train_config(cfg), server_extra={}, client_state={},
-                                     generator=round_generator(cfg, 0, 1))
+    update = _client_round(cfg, algorithm, start, 0, model_for(cfg, num_classes=10, in_channels=1, image_size=8))
     assert update_norm(_difference(update.state, start)) <= 0.05 * (1 + 1e-5)
 
 
@@ -222,15 +227,12 @@ def test_sample_dp_each_clients_epsilon_is_opacus_for_its_own_q_sigma_and_steps(
     cfg, algorithm, start = _setup('federate.dp="sample"', "federate.target_epsilon=10", "train.rounds=3",
                                    "federate.noise_multiplicity=2", "federate.max_physical_batch=8")
     model = model_for(cfg, num_classes=10, in_channels=1, image_size=8)
-    model.load_state_dict(start)
-    shard = client_shard(cfg, 1)
-    data = TrainData(images_to_tensor(shard.x), torch.as_tensor(shard.y, dtype=torch.int64))
-    update = algorithm.client_update(model=model, data=data, cfg=local_train_config(cfg), server_extra={}, client_state={},
-                                     generator=round_generator(cfg, 1, 1))
+    update = _client_round(cfg, algorithm, start, 1, model)
     assert update.num_steps == 2 and int(update.client_state["dp_steps"]) == 2
     assert not any(hasattr(p, "grad_sample") for p in model.parameters())  # Opacus's hooks are gone after the round
-    report = algorithm.privacy_report(1, {1: 1}, {1: len(data)})
-    q = 1 / math.ceil(len(data) / 8)  # what Opacus's Poisson data loader samples at: 1 / batches per epoch
+    shard_size = len(client_shard(cfg, 1).y)
+    report = algorithm.privacy_report(1, {1: 1}, {1: shard_size})
+    q = 1 / math.ceil(shard_size / 8)  # what Opacus's Poisson data loader samples at: 1 / batches per epoch
     sigma = get_noise_multiplier(target_epsilon=10.0, target_delta=1e-5, sample_rate=q, steps=3 * 2, accountant="rdp")
     accountant = RDPAccountant()
     for _ in range(2):

@@ -30,7 +30,8 @@ def test_a_round_waits_for_its_folds_which_run_in_the_order_accepted() -> None:
     gate, order = threading.Event(), []
     for client in (2, 0, 1):
         folds.reserve(f"client {client}")
-        with lock:
+    with lock:  # all three accepted before the fold thread may start (a fold runs under the lock)
+        for client in (2, 0, 1):
             folds.submit(rnd, client, lambda c=client: (gate.wait(WAIT_S), order.append(c)))
     waiter = threading.Thread(target=folds.wait_for, args=(rnd,))
     waiter.start()

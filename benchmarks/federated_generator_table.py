@@ -6,7 +6,7 @@ whose JSON exists is skipped, so a kill loses at most the cell in progress (its 
 so its wall-clock stays that of one uninterrupted run). Cells run seed-major, one at a time.
 
     PYTHONPATH=. python benchmarks/federated_generator_table.py --out runs/gentable [--steps 1000] [--seeds 0,1,2]
-        [--rows central,fed-iid,...] [--stop-at 11:00] [--smoke] [--table-only]
+        [--rows central,fed-iid,...] [--stop-at 11:00] [--smoke] [--table-only] [--curve]
 
 Every row spends the same number of UNet optimizer steps, S = --steps, counted over all clients: a federated run of
 K clients all sampled each round with L local steps plays R = S / (K L) rounds (sequential depth R L = S / K).
@@ -15,6 +15,9 @@ run's final checkpoint, which keeps them) with the pseudo-labels SDA-FL gave the
 ones cannot be scored by class (their share is `coverage`), and when `evaluate` refuses the labelled ones (a class
 with fewer than 2 images) the cell records why. All pooled images are also scored with round-robin labels, of which
 only the label-free figures are kept (the Fréchet distance, the judge's classes).
+
+`--curve` runs, instead, epsilon against quality: sample DP at epsilon 1, 10, 100 and 1,000 (K = 10, IID, so that only
+DP separates them from the federated IID row) and user DP at 100 and 1,000 (K = 100, IID; 10 is the table's row 4).
 
 The launcher gives the coordinator and each client process a process group of its own (one session): to pause a
 running table, signal the session (`pkill -STOP -s SID`), not the driver's process group.
@@ -57,6 +60,7 @@ class Row:
     dp: str = "none"
     local_steps: int = 10
     clients_per_process: int = 5
+    epsilon: float = 10.0  # the target epsilon of a DP row
 
 
 def rows(steps: int, smoke: bool) -> list[Row]:
@@ -72,6 +76,16 @@ def rows(steps: int, smoke: bool) -> list[Row]:
         Row("sdafl", "SDA-FL's DP-GANs pooled (eps 10 per client, K = 10, Dirichlet 0.1)", "sdafl"),
         Row("central-small", "`small`, central, whole train split (reference)", "central", size="small"),
     ]
+
+
+def curve_rows(smoke: bool) -> list[Row]:
+    """`--curve`: epsilon against quality, IID so that only DP differs from the federated IID row (its epsilon: none)."""
+    local = 1 if smoke else 10
+    sample = [Row(f"fed-sample-iid-e{e:g}", f"federated + sample DP eps {e:g}, K = 10 IID", "federate", dp="sample",
+                  local_steps=local, epsilon=e) for e in (1.0, 10.0, 100.0, 1000.0)]
+    user = [Row(f"fed-user-e{e:g}", f"federated + user DP eps {e:g}, K = 100 IID", "federate", clients=100, dp="user",
+                local_steps=1 if smoke else 2, clients_per_process=50, epsilon=e) for e in (100.0, 1000.0)]
+    return sample + user
 
 
 def rounds_for(row: Row, steps: int) -> int:
@@ -103,7 +117,7 @@ def train_command(row: Row, seed: int, steps: int, work: Path, smoke: bool) -> l
         command = cli("generator", "federate", "--size", row.size, "--rounds", str(rounds_for(row, steps)),
                       "--local-steps", str(row.local_steps), "--dp", row.dp, "--grid-per-class", "0", "--no-progress",
                       "--out", str(work / "model"), *sets(federate_overrides(row, seed)))
-        return command + (["--target-epsilon", "10"] if row.dp != "none" else [])
+        return command + (["--target-epsilon", f"{row.epsilon:g}"] if row.dp != "none" else [])
     extra = ["train.rounds=2", "sdafl.gan_steps=5"] if smoke else []
     return cli("run", "--no-progress", "--out-dir", str(work / "run"),
                *sets(['train.algorithm="sdafl"', 'generation.policy="none"', f"seed={seed}", "runtime.clients_per_process=5",
@@ -302,8 +316,9 @@ def main() -> int:
     parser.add_argument("--stop-at", default=None, help="HH:MM: start no cell after this time of day")
     parser.add_argument("--smoke", action="store_true", help="seconds-long settings, to check every path")
     parser.add_argument("--table-only", action="store_true")
+    parser.add_argument("--curve", action="store_true", help="the epsilon rows instead of the side-by-side table's")
     args = parser.parse_args()
-    all_rows = rows(args.steps, args.smoke)
+    all_rows = curve_rows(args.smoke) if args.curve else rows(args.steps, args.smoke)
     chosen = [r for r in all_rows if args.rows is None or r.name in args.rows.split(",")]
     (args.out / "cells").mkdir(parents=True, exist_ok=True)
     stop = None

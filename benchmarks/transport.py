@@ -223,8 +223,8 @@ def main() -> None:
                         help="runtime.data_plane settings to measure, one coordinator each, one after the other "
                              "(default: %(default)s; \"default\" sets nothing, which is gRPC)")
     parser.add_argument("--test-images", type=int, default=2,
-                        help="the coordinator's test split (default %(default)s): its per-round test pass runs beside the "
-                             "next round's transfers, and one ResNet-18 pass over 20 images takes ~0.27 s of this 2-core CPU")
+                        help="the coordinator's test split (default %(default)s): its per-round test pass runs during the client's training (beside the "
+                             "next round's transfers with --train-s 0); one ResNet-18 pass over 20 images takes ~0.27 s of this 2-core CPU")
     parser.add_argument("--train-s", type=float, default=1.0,
                         help="the client's stand-in for training, between the push and the reply (default %(default)s s): "
                              "the coordinator tests and checkpoints the last round then, as in a real round; the bare "

@@ -17,7 +17,8 @@ with fewer than 2 images) the cell records why. All pooled images are also score
 only the label-free figures are kept (the Fréchet distance, the judge's classes).
 
 `--curve` runs, instead, epsilon against quality: sample DP at epsilon 1, 10, 100 and 1,000 (K = 10, IID, so that only
-DP separates them from the federated IID row) and user DP at 100 and 1,000 (K = 100, IID; 10 is the table's row 4).
+DP separates them from the federated IID row), user DP at 100 and 1,000 (K = 100, IID; 10 is the table's row 4), and
+per-image clipping with almost no noise (sigma 0.01) at S = 1 and S = 100.
 
 The launcher gives the coordinator and each client process a process group of its own (one session): to pause a
 running table, signal the session (`pkill -STOP -s SID`), not the driver's process group.
@@ -61,6 +62,8 @@ class Row:
     local_steps: int = 10
     clients_per_process: int = 5
     epsilon: float = 10.0  # the target epsilon of a DP row
+    sigma: float | None = None  # instead of a target epsilon: this noise multiplier, and `clip`
+    clip: float = 1.0
 
 
 def rows(steps: int, smoke: bool) -> list[Row]:
@@ -85,7 +88,10 @@ def curve_rows(smoke: bool) -> list[Row]:
                   local_steps=local, epsilon=e) for e in (1.0, 10.0, 100.0, 1000.0)]
     user = [Row(f"fed-user-e{e:g}", f"federated + user DP eps {e:g}, K = 100 IID", "federate", clients=100, dp="user",
                 local_steps=1 if smoke else 2, clients_per_process=50, epsilon=e) for e in (100.0, 1000.0)]
-    return sample + user
+    # clipping alone (sigma 0.01: epsilon in the millions), at S = 1 and at S = 100: how much of the gap is the clip
+    clipped = [Row(f"fed-sample-iid-clip{c:g}", f"federated + per-image clipping at S = {c:g}, sigma 0.01, K = 10 IID",
+                   "federate", dp="sample", local_steps=local, sigma=0.01, clip=c) for c in (1.0, 100.0)]
+    return sample + user + clipped
 
 
 def rounds_for(row: Row, steps: int) -> int:
@@ -117,6 +123,8 @@ def train_command(row: Row, seed: int, steps: int, work: Path, smoke: bool) -> l
         command = cli("generator", "federate", "--size", row.size, "--rounds", str(rounds_for(row, steps)),
                       "--local-steps", str(row.local_steps), "--dp", row.dp, "--grid-per-class", "0", "--no-progress",
                       "--out", str(work / "model"), *sets(federate_overrides(row, seed)))
+        if row.dp != "none" and row.sigma is not None:
+            return command + sets([f"federate.noise_multiplier={row.sigma}", f"federate.clip={row.clip}"])
         return command + (["--target-epsilon", f"{row.epsilon:g}"] if row.dp != "none" else [])
     extra = ["train.rounds=2", "sdafl.gan_steps=5"] if smoke else []
     return cli("run", "--no-progress", "--out-dir", str(work / "run"),

@@ -97,13 +97,18 @@ class BareServer:
     def __enter__(self) -> BareServer:
         self._server = subprocess.Popen([sys.executable, __file__, "--role", "server"], stdout=subprocess.PIPE, text=True)
         assert self._server.stdout is not None
-        port = int(self._server.stdout.readline())
-        self._channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=OPTIONS)
-        self._push = self._channel.unary_stream("/bare/push", identity, identity)
-        self._upload = self._channel.stream_unary("/bare/upload", identity, identity)
-        self._messages = [os.urandom(CHUNK_BYTES) for _ in range(CHUNKS)]
-        for _ in range(WARM_UP):
-            self.round_trip()
+        try:
+            port = int(self._server.stdout.readline())
+            self._channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=OPTIONS)
+            self._push = self._channel.unary_stream("/bare/push", identity, identity)
+            self._upload = self._channel.stream_unary("/bare/upload", identity, identity)
+            self._messages = [os.urandom(CHUNK_BYTES) for _ in range(CHUNKS)]
+            for _ in range(WARM_UP):
+                self.round_trip()
+        except BaseException:
+            self._server.kill()
+            self._server.wait(10)
+            raise
         return self
 
     def round_trip(self) -> tuple[float, float]:

@@ -11,7 +11,8 @@ client stream, benchmarks/grpc_bare.py: the floor of any gRPC transport), so eve
 timed within the same second; the floor alone, after the coordinator has exited, is reported too. With --train-s 0
 the coordinator's test pass and checkpoint run beside the next transfers (the case of a round without training),
 and the paired floor shares the CPU with them: compare with the floor alone then. Also beside it, the raw baseline:
-the same bytes to an echo process over a plain TCP socket and back; the echo receives every message into one buffer (a second raw row, a fresh buffer per message, is the baseline used before 2026-12-04).
+the same bytes to an echo process over a plain TCP socket and back; the echo receives every message into one buffer
+(a second raw row, a fresh buffer per message, is the baseline used before 2026-12-04).
 Prints a markdown table.
 
     python benchmarks/transport.py --rounds 9 [--planes default tcp] [--train-s 1.0] [--test-images N] [--json FILE]

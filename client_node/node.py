@@ -110,16 +110,16 @@ class LogicalClient:
         self.metrics = metrics
         self.stop = stop
         self.state: ClientState | None = None
-        self._stream: grpc.Future | None = None
+        self._call: grpc.Future | None = None  # the blocking call in flight (run-spec wait or dispatch stream)
         self._data_plane: data_plane.Endpoint | None = None  # announced at registration (runtime.data_plane = "tcp")
         # the certificates of every address behind --coordinator (each of a dns:/// name), when a revocation list is checked
         self._coordinator_identities: list[PeerIdentity] = []
 
     def cancel(self) -> None:
-        """Break out of a blocking dispatch stream (used on SIGTERM)."""
-        stream = self._stream
-        if stream is not None:
-            stream.cancel()
+        """Break out of the blocking call in flight: the wait for a ready coordinator or the dispatch stream (on SIGTERM)."""
+        call = self._call
+        if call is not None:
+            call.cancel()
 
     def run(self) -> int:
         channel = grpcutil.make_channel(self.options.coordinator, self.options.credentials)
@@ -162,7 +162,7 @@ class LogicalClient:
     # ---- one registration session -------------------------------------------------------------
 
     def _session(self, stub: pb_grpc.CoordinatorStub) -> None:
-        spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=RPC_TIMEOUT_S, wait_for_ready=True)
+        spec = self._run_spec(stub)
         self._check_coordinator()
         if self.state is None:
             self.state = self._prepare(from_json(spec.config_json))
@@ -205,7 +205,7 @@ class LogicalClient:
             data_plane.host_of(self.options.coordinator), reply.data_port, self.options.data_plane_tls)
         log.info("client %d: registered (N_k=%d, %d rounds done)", self.client_id, len(self.state.real_y), reply.completed_rounds)
         stream = self._subscribe(pb.SubscribeRequest(client_id=self.client_id, session=reply.session), timeout=SUBSCRIBE_TIMEOUT_S)
-        self._stream = stream
+        self._call = stream
         beating = threading.Event()
         heartbeats = threading.Thread(target=send_heartbeats, name=f"heartbeat-{self.client_id}", daemon=True,
                                       args=(stub, self.client_id, reply.session, cfg.runtime.heartbeat_s, beating))
@@ -233,8 +233,21 @@ class LogicalClient:
             # Joined (its call has half a period to answer): a thread left inside a gRPC call when the interpreter
             # exits makes gRPC's core abort the process ("terminate called without an active exception").
             heartbeats.join(timeout=cfg.runtime.heartbeat_s)
-            self._stream = None
+            self._call = None
             stream.cancel()
+
+    def _run_spec(self, stub: pb_grpc.CoordinatorStub) -> pb.RunSpec:
+        """The run's spec, waiting for the coordinator to be ready; a SIGTERM during that wait ends it at once."""
+        call = stub.GetRunSpec.future(pb.GetRunSpecRequest(), timeout=RPC_TIMEOUT_S, wait_for_ready=True)
+        self._call = call
+        try:
+            if self.stop.is_set():  # a cancel() that came before the call was published
+                call.cancel()
+            return call.result()
+        except grpc.FutureCancelledError:
+            raise StopRequested("stopped while waiting for the coordinator") from None
+        finally:
+            self._call = None
 
     def _register(self, stub: pb_grpc.CoordinatorStub, request: pb.RegisterRequest, cfg: RunConfig) -> pb.RegisterReply:
         """Register; a refusal (FAILED_PRECONDITION: e.g. data.max_samples_per_client) is final, except that another

@@ -120,3 +120,22 @@ def test_sigterm_stops_the_coordinator_with_143_and_its_checkpoint_kept(runtime:
     kept = completed_rounds(out)
     assert 1 <= kept < 6
     assert f"stopped by signal after round {kept} (checkpoint kept)" in coord.log()
+
+
+@pytest.mark.serial  # asserts a time bound: runs alone, after the parallel tests
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_sigterm_ends_a_client_waiting_for_a_coordinator_that_is_gone(runtime: Runtime, tmp_path: Path) -> None:
+    # Client 1 never comes: the coordinator waits for it, client 0 sits registered on its dispatch stream.
+    settings = {"data.clients": 2, "runtime.quorum": 1.0, "runtime.registration_timeout_s": 150.0}
+    coord = runtime.coordinator(settings, tmp_path / "run")
+    client = runtime.clients(coord.address, "0")
+    wait_until(lambda: "client 0: registered" in client.log_path.read_text(), timeout_s=150, what="client 0 registered")
+    runtime.kill(coord.child)
+    wait_until(lambda: "client 0: link lost" in client.log_path.read_text(), timeout_s=30, what="client 0 lost the link")
+    time.sleep(2.0)  # past the reconnect pause: inside the wait for a ready coordinator (30 s per try)
+    client.process.send_signal(signal.SIGTERM)
+    stopped_at = time.monotonic()
+    assert wait_exit(client, 30) == 0
+    assert time.monotonic() - stopped_at < 5, "the SIGTERM waited on the call for the run spec"
+    assert "client 0: stopped while waiting for the coordinator" in client.log_path.read_text()

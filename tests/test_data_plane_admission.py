@@ -28,8 +28,6 @@ GENEROUS_S = 20.0
 
 
 def open_front_door(tls: ssl.SSLContext | None = None) -> Iterator[tuple[int, Counter[str], list[bytes]]]:
-    listener = socket.create_server(("127.0.0.1", 0))  # 127.0.0.2 reaches it too: the whole of 127/8 is loopback
-    closed: Counter[str] = Counter()
     served: list[bytes] = []
     pool = ThreadPoolExecutor(1)
 
@@ -38,17 +36,12 @@ def open_front_door(tls: ssl.SSLContext | None = None) -> Iterator[tuple[int, Co
             served.append(request.ticket)
             wire.send_status(request.conn, grpc.StatusCode.OK, request.ticket.hex())
 
-    admission = Admission(listener, lambda request: pool.submit(serve, request), tls=tls, deadline_s=0.5, per_peer=4,
-                          closed=lambda reason: closed.update([reason]))
-    stop = threading.Event()
-    thread = threading.Thread(target=admission.run, args=(stop,), daemon=True)
-    thread.start()
+    stage = open_front_door_serving(lambda request: pool.submit(serve, request), tls)
     try:
-        yield listener.getsockname()[1], closed, served
+        port, closed, _ = next(stage)
+        yield port, closed, served
     finally:
-        stop.set()
-        thread.join(timeout=5)
-        listener.close()
+        stage.close()  # stops admission before the pool it submits to
         pool.shutdown(wait=True)
 
 

@@ -32,6 +32,7 @@ class ClientRecord:
     last_heartbeat: float | None = None  # monotonic time of its last Heartbeat RPC; None: it has sent none yet
     node_token: str = ""  # the client-node process's random token (RegisterRequest.node_token)
     registered_at: float = 0.0  # monotonic time of this registration
+    stream_closed_at: float | None = None  # monotonic time its last dispatch stream ended; None: none has yet
 
 
 class ClientRegistry:
@@ -131,6 +132,7 @@ class ClientRegistry:
             record = self.clients.get(client_id)
             if record is not None and record.outbox is outbox:
                 record.outbox = None
+                record.stream_closed_at = time.monotonic()
                 log.info("client %d disconnected", client_id)
             self._count_connected()
 
@@ -170,6 +172,20 @@ class ClientRegistry:
         recent = record.last_heartbeat is not None and time.monotonic() - record.last_heartbeat <= heartbeat_timeout_s
         return record.outbox is not None or recent
 
+    def unreachable_since(self, client_id: int, heartbeat_timeout_s: float) -> float | None:
+        """Since when (monotonic) the client has been unreachable: the later of its stream's end and its last
+        heartbeat's expiry. None while it is reachable, and when nothing says when it was lost: not registered, or
+        registered but never subscribed nor heartbeating (it may be starting still)."""
+        record = self.clients.get(client_id)
+        if record is None or self.is_reachable(client_id, heartbeat_timeout_s):
+            return None
+        if record.stream_closed_at is None and record.last_heartbeat is None:
+            return None
+        since = record.stream_closed_at or 0.0
+        if record.last_heartbeat is not None:
+            since = max(since, record.last_heartbeat + heartbeat_timeout_s)
+        return since
+
     def send(self, client_id: int, item: Any) -> None:
         """Queue an item on the client's open stream; nothing happens for a client without one."""
         with self.lock:
@@ -207,6 +223,7 @@ class ClientRegistry:
         if record.outbox is not None:
             record.outbox.put(None)  # ends the superseded stream
             record.outbox = None
+            record.stream_closed_at = time.monotonic()
 
     def _count_connected(self) -> None:
         self.metrics.clients_connected.set(sum(1 for c in self.clients.values() if c.outbox is not None))

@@ -431,10 +431,16 @@ class RoundDriver:
                         f"round {rnd.number}: {len(rnd.answered)} of {len(rnd.sampled)} sampled clients answered "
                         f"within {rnd.deadline_s:.0f}s; quorum is {rnd.need}"
                     )
-                if any(self.registry.is_reachable(c, self.cfg.runtime.heartbeat_timeout_s) for c in rnd.pending):
+                heartbeat_timeout_s = self.cfg.runtime.heartbeat_timeout_s
+                if any(self.registry.is_reachable(c, heartbeat_timeout_s) for c in rnd.pending):
                     unreachable_since = None
                 else:
                     unreachable_since = unreachable_since or now
+                    # The grace runs from when the last of them was lost, which may be rounds ago: a client gone for
+                    # good costs one grace, not one per round that samples it.
+                    lost = [self.registry.unreachable_since(c, heartbeat_timeout_s) for c in rnd.pending]
+                    if all(t is not None for t in lost):
+                        unreachable_since = min(unreachable_since, max(t for t in lost if t is not None))
                     if now - unreachable_since >= grace:
                         if len(rnd.answered) >= rnd.need:
                             log.warning("round %d: clients %s gone; closing with the quorum", rnd.number, sorted(rnd.pending))

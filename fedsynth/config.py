@@ -281,7 +281,7 @@ class RuntimeConfig(Section):
     round_timeout_s: float = 600.0  # a round closes at this deadline with the answers of a quorum
     quorum: float = 0.5  # share of the sampled clients (of all K at registration) a round needs
     registration_timeout_s: float = 300.0  # how long a fresh run waits for all K clients to register
-    rejoin_grace_s: float = 10.0  # how long a round waits for a disconnected client to come back
+    rejoin_grace_s: float = 10.0  # how long a disconnected client has to come back before rounds close without it
     clients_per_process: int = 1  # logical clients per client-node process the launcher starts
     torch_threads: int = 1  # torch CPU threads in each process the launcher starts
     heartbeat_s: float = 2.0  # coordinator -> client stream heartbeats, and each client's Heartbeat RPC

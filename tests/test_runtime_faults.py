@@ -57,6 +57,26 @@ def test_client_killed_mid_round_the_round_closes_with_the_others(runtime: Runti
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+def test_a_client_gone_for_good_costs_one_rejoin_grace_not_one_per_round(runtime: Runtime, tmp_path: Path) -> None:
+    grace_s = 30.0
+    settings = {"data.clients": 3, "train.rounds": 5, "runtime.quorum": 0.5, "runtime.rejoin_grace_s": grace_s,
+                "runtime.round_timeout_s": 120.0}
+    out = tmp_path / "run"
+    coord = runtime.coordinator(settings, out)
+    clients = [runtime.clients(coord.address, str(k)) for k in range(3)]
+    wait_until(lambda: completed_rounds(out) >= 1, timeout_s=150, what="round 1")
+    runtime.kill(clients[2])
+
+    assert coord.wait(150) == 0, coord.log()[-3000:]
+    rounds = read_record(out)["rounds"]
+    without = [r for r in rounds if r["participants"] == [0, 1]]
+    assert [r["sampled"] for r in rounds] == [[0, 1, 2]] * 5 and len(without) >= 3, [r["participants"] for r in rounds]
+    # The first round without it waits for it to come back; every later one closes once the other two answered.
+    assert [r["duration_s"] < grace_s / 2 for r in without[1:]] == [True] * len(without[1:]), [r["duration_s"] for r in rounds]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_coordinator_killed_after_a_round_resumes_and_ends_as_if_never_interrupted(
     runtime: Runtime, tmp_path: Path, reference_run: FinishedRun
 ) -> None:

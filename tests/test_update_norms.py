@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -138,6 +139,24 @@ def test_a_registration_above_max_samples_per_client_is_refused_naming_client_va
     assert refused == 1
     unlimited, _ = registry(max_samples=0)
     assert register(unlimited, 1, 10**9)
+
+
+def test_a_client_is_lost_from_when_its_stream_ended_or_its_heartbeats_expired_and_not_before_it_subscribed() -> None:
+    """What the rejoin grace runs from: a client registered but not yet subscribed (it may still be starting) has
+    no time of loss; one whose stream ended has, the later of that and its last heartbeat's expiry."""
+    reg, _ = registry(max_samples=0)
+    session = register(reg, 0, 10)
+    assert reg.unreachable_since(0, heartbeat_timeout_s=5.0) is None
+    assert reg.unreachable_since(3, heartbeat_timeout_s=5.0) is None  # never registered
+    _, outbox = reg.open_stream(0, session)
+    assert reg.unreachable_since(0, heartbeat_timeout_s=5.0) is None  # connected
+    before = time.monotonic()
+    reg.close_stream(0, outbox)
+    closed = reg.unreachable_since(0, heartbeat_timeout_s=5.0)
+    assert closed is not None and before <= closed <= time.monotonic()
+    reg.clients[0].last_heartbeat = closed - 1.0  # its heartbeats stop a second before its stream ends
+    assert reg.unreachable_since(0, heartbeat_timeout_s=0.5) == closed
+    assert reg.unreachable_since(0, heartbeat_timeout_s=5.0) is None  # heartbeating still: it may come back
 
 
 def test_an_integer_buffer_may_only_advance_and_by_at_most_the_stated_step() -> None:

@@ -1,7 +1,7 @@
 """Paired comparison of finished run folders that `fedsynth experiment` did not plan (e.g. one arm rerun with another
 generator): last-N accuracy per arm and seed, paired differences with Student-t intervals, generation cost.
 
-    PYTHONPATH=. python benchmarks/paired_runs.py --seeds 0-9 \
+    PYTHONPATH=. python benchmarks/paired_runs.py --seeds 0,1,2,3,4,5,6,7,8,9 \
         --arm fedavg=runs/experiments/cifar10-fedeas-fedgen/fedavg-{seed} \
         --arm central=runs/experiments/cifar10-cpu-small-recipe-10seeds/fedeas-{seed} \
         --pair central:fedavg --json summary.json
@@ -15,16 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from deploy.experiment import parse_seeds
 from deploy.experiment_summary import run_metrics
 from deploy.stats import paired_difference, summarize
-
-
-def seed_list(text: str) -> list[int]:
-    """'0-9' or '0,1,2'."""
-    if "-" in text:
-        low, high = (int(part) for part in text.split("-"))
-        return list(range(low, high + 1))
-    return [int(part) for part in text.split(",")]
+from fedsynth.errors import ConfigError
 
 
 def arm_runs(pattern: str, seeds: list[int], last_n: int) -> dict[int, dict[str, Any]]:
@@ -76,7 +70,7 @@ def markdown(summary: dict[str, Any]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", required=True, help="'0-9' or '0,1,2'")
+    parser.add_argument("--seeds", required=True, help="comma-separated seeds, as fedsynth experiment's")
     parser.add_argument("--arm", action="append", required=True, help="NAME=FOLDER pattern with {seed}")
     parser.add_argument("--pair", action="append", default=[], help="A:B, reports A - B per seed")
     parser.add_argument("--last-n", type=int, default=10, help="rounds averaged at the end (default 10)")
@@ -88,7 +82,11 @@ def main() -> int:
     unknown = sorted({name for pair in pairs for name in pair} - set(arms))
     if unknown:
         parser.error(f"--pair names arms {unknown} that no --arm defines")
-    summary = compare(arms, pairs, seed_list(args.seeds), args.last_n, args.confidence)  # type: ignore[arg-type]
+    try:
+        seeds = parse_seeds(args.seeds, 0)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    summary = compare(arms, pairs, seeds, args.last_n, args.confidence)  # type: ignore[arg-type]
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=1) + "\n")

@@ -13,6 +13,8 @@ from typing import Any, ClassVar
 
 from fedsynth.config_schema import (
     ACCOUNTANTS,
+    AGGREGATION_PARAMS,
+    AGGREGATIONS,
     ALGORITHM_PARAMS,
     ALGORITHMS,
     BUILTIN_SCHEMAS,
@@ -45,6 +47,14 @@ LATER_EVALUATION_KEYS = {"data": {"local_test_fraction": 0.0}, "train": {"evalua
 UPDATE_NORM_KEYS = ("max_update_norm", "max_update_norm_factor", "update_norm_action")
 # Local data's keys came later too: at these defaults (split mode, the dataset's built-in schema), old fingerprints hold.
 LATER_DATA_KEYS = {"source": "split", "classes": None, "image_size": None, "channels": None}
+# Keys of the untrusted-members work (docs/security.md), by section, at the defaults that change nothing a run computes:
+# left out of the fingerprint there, and out of the run spec a coordinator sends (a node of the release before them
+# then parses it and is refused by its version, by name, instead of failing on an unknown key).
+MEMBER_KEYS = {
+    "data": {"max_image_pixels": 1 << 24, "follow_symlinks": False},
+    "train": {"aggregation": "mean", "aggregation_params": {}},
+    "runtime": {"max_refusals": 3},
+}
 MAX_SEED = 2**32 - 1  # torch, numpy and the derived per-client seeds all take it
 
 
@@ -84,9 +94,16 @@ class DataConfig(Section):
     classes: tuple[str, ...] | None = None
     image_size: int | None = None
     channels: int | None = None
+    # Local data: an image whose header declares more pixels (width x height) than this is refused by name before
+    # it is decoded (a small PNG can declare 13,000 x 13,000: ~484 MiB decoded).
+    max_image_pixels: int = 1 << 24
+    # Local data: files or folders reached through a symbolic link that leaves the client folder are refused by name,
+    # unless this is true.
+    follow_symlinks: bool = False
 
     def check(self) -> None:
         self.one_of("dataset", DATASETS)
+        self.at_least(1, "max_image_pixels")
         self.non_empty("data_dir", "local_dir", "test_dir")
         if self.test_dir is not None and self.source != "local":
             raise ConfigError(f"data.test_dir is the coordinator's test data in local mode (data.source = \"local\"); "
@@ -145,8 +162,14 @@ class TrainConfig(Section):
     eval_every: int = 1  # federated evaluation after every eval_every-th round (and after the last)
     fraction_evaluate: float = 1.0  # the share of the K clients sampled (seeded, per round) to evaluate
     algorithm_params: dict[str, int | float] = field(default_factory=dict)  # the algorithm's parameters by name
+    # How the round's updates become the new global model: the N_k-weighted mean, or a robust rule (docs/security.md):
+    # the coordinate-wise median, the trimmed mean, Krum or Multi-Krum. The robust rules hold the round's updates.
+    aggregation: str = "mean"
+    aggregation_params: dict[str, int | float] = field(default_factory=dict)  # the rule's parameters by name
 
     def check(self) -> None:
+        self.one_of("aggregation", AGGREGATIONS)
+        self.parameters_of(self.aggregation, "aggregation_params", AGGREGATION_PARAMS)
         self.one_of("model", MODELS)
         self.one_of("algorithm", ALGORITHMS)
         self.at_least(1, "rounds", "batch_size", "local_epochs", "eval_batch_size")
@@ -300,8 +323,12 @@ class RuntimeConfig(Section):
     max_update_norm: float | str = 0.0
     max_update_norm_factor: float = 10.0
     update_norm_action: str = "refuse"  # "refuse": left out of the round; "clip": scaled down onto the bound
+    # A client whose updates are refused this many rounds in a row is excluded from the run (report.json
+    # excluded_clients); 0 = never excluded.
+    max_refusals: int = 3
 
     def check(self) -> None:
+        self.at_least(0, "max_refusals")
         self.non_empty("host", "tls_dir")
         self.one_of("wire_dtype", WIRE_DTYPES)
         self.one_of("data_plane", DATA_PLANES)
@@ -390,6 +417,12 @@ class RunConfig(Section):
         if self.data.source == "local" and self.data.test_dir is None and not unet and self.train.evaluation != "federated":
             raise ConfigError(f"train.evaluation must be \"federated\" when data.source = \"local\" without data.test_dir: "
                               f"the coordinator holds no test data, got {self.train.evaluation!r}")
+        # The same names as fedsynth.algorithms.robust.PLAIN_MEAN_ALGORITHMS (tests/test_robust_aggregation.py checks).
+        if self.train.aggregation != "mean" and self.train.algorithm not in ("fedavg", "fedprox", "moon"):
+            raise ConfigError(f"train.aggregation = {self.train.aggregation!r} needs train.algorithm = fedavg, fedprox or moon, "
+                              f"got {self.train.algorithm!r}: a robust rule replaces the weighted mean of the models only, "
+                              "and this algorithm's server side is more than that (SCAFFOLD's control variates, FedGen's "
+                              "generator, FedMix's mean images, SDA-FL's synthetic set and pseudo-labels, ddpm's generator)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -406,6 +439,10 @@ class RunConfig(Section):
                 content["data"].pop(key)
         content["generation"].pop("evaluate_per_class")  # scoring the generator after the run changes no result
         content["data"].pop("max_samples_per_client")
+        for section, defaults in MEMBER_KEYS.items():  # who may join and how updates are judged: at the defaults, old fingerprints hold
+            for key, default in defaults.items():
+                if section != "runtime" and content[section][key] == default:
+                    content[section].pop(key)
         runtime = content.pop("runtime")
         wire_dtype = runtime["wire_dtype"]
         if wire_dtype != "float32":  # rounding the updates changes results; at the default, old fingerprints hold
@@ -505,7 +542,14 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 def to_json(cfg: RunConfig) -> str:
-    return json.dumps(cfg.to_dict(), sort_keys=True)
+    """The config as the run spec sends it: keys of MEMBER_KEYS at their defaults are left out (from_json fills them
+    in), so a node of the release before them reads the spec and is refused at registration by its version."""
+    content = cfg.to_dict()
+    for section, defaults in MEMBER_KEYS.items():
+        for key, default in defaults.items():
+            if content[section][key] == default:
+                content[section].pop(key)
+    return json.dumps(content, sort_keys=True)
 
 
 def from_json(text: str) -> RunConfig:

@@ -35,6 +35,7 @@ WIRE_DTYPES = ("float32", "float16", "bfloat16")  # fedsynth.wire.wire_dtype: th
 DP_LEVELS = ("none", "user", "sample")  # federate.dp: none, DP-FedAvg (a client's whole data), DP-SGD (one image)
 EVALUATIONS = ("server", "federated", "both")  # who tests the global model: the coordinator, the clients (counts), or both
 DATA_PLANES = ("grpc", "tcp")  # how model payloads travel: chunks on the gRPC streams, or fedsynth.wire.data_plane beside them
+AGGREGATIONS = ("mean", "median", "trimmed_mean", "krum", "multi_krum")  # train.aggregation (fedsynth.algorithms.robust)
 UPDATE_NORM_ACTIONS = ("refuse", "clip")  # coordinator.update_norms: what becomes of an update past runtime.max_update_norm
 DATA_SOURCES = ("split", "local")  # data.source: a seeded split of one dataset, or each client's own folder
 DATA_FORMATS = ("imagefolder", "npz", "hf")  # `fedsynth data split --format` (fedsynth.learning.split_export)
@@ -77,6 +78,19 @@ class Bound:
         upper = f" and <= {self.high}" if self.high < math.inf else ""
         return f"{'an integer' if self.integer else 'a finite number'} {'>' if self.strict else '>='} {self.low}{upper}"
 
+
+# train.aggregation_params by rule: trimmed_mean's share cut at each end; krum's and multi_krum's assumed attackers f
+# (0: the most the round allows, floor((n - 3) / 2)) and multi_krum's m (0: n - f).
+AGGREGATION_PARAMS: dict[str, dict[str, Bound]] = {
+    "mean": {},
+    "median": {},
+    "trimmed_mean": {"beta": Bound(0, high=0.49)},
+    "krum": {"f": Bound(0, integer=True)},
+    "multi_krum": {"f": Bound(0, integer=True), "m": Bound(0, integer=True)},
+}
+AGGREGATION_DEFAULTS: dict[str, dict[str, int | float]] = {
+    "mean": {}, "median": {}, "trimmed_mean": {"beta": 0.1}, "krum": {"f": 0}, "multi_krum": {"f": 0, "m": 0},
+}
 
 # Each algorithm's parameters (the fields of its dataclass in fedsynth.algorithms, in order) and their bounds: the
 # config check and the algorithm's own check both read them. The defaults stay in the dataclasses.
@@ -238,11 +252,14 @@ class Section:
         if not bound.accepts(getattr(self, name)):
             self._fail(name, str(bound))
 
-    def parameters_of(self, algorithm: str, name: str) -> None:
-        accepted = ALGORITHM_PARAMS[algorithm]
+    def parameters_of(self, algorithm: str, name: str, table: dict[str, dict[str, Bound]] | None = None) -> None:
+        """Each entry of the dict field `name`: a parameter of `algorithm` (a key of `table`, ALGORITHM_PARAMS by
+        default) within its bound."""
+        accepted = (ALGORITHM_PARAMS if table is None else table)[algorithm]
         for param, value in getattr(self, name).items():
             key = f"{self.key(name)}.{param}"
             if param not in accepted:
                 raise ConfigError(f"{key}: algorithm {algorithm!r} has no parameter {param!r} "
                                   f"(accepted: {', '.join(accepted) or 'none'})")
-            check_parameter(algorithm, param, value, key=key)
+            if not accepted[param].accepts(value):
+                raise ConfigError(f"{key} must be {accepted[param]} for {algorithm}, got {value!r}")

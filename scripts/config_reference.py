@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fedsynth import config as config_module  # noqa: E402
-from fedsynth.config_schema import ALGORITHM_PARAMS, Bound, Section  # noqa: E402
+from fedsynth.config_schema import AGGREGATION_DEFAULTS, AGGREGATION_PARAMS, ALGORITHM_PARAMS, Bound, Section  # noqa: E402
 
 OUT = ROOT / "docs" / "reference" / "config.md"
 NO_DESCRIPTION = "**(no description: add a comment beside this field in fedsynth/config.py)**"
@@ -75,8 +75,9 @@ class Rule:
             return "HOST:PORT, port 1..65535"
         if self.kind == "bounded":
             return str(self.bound)
-        if self.kind == "parameters_of":
-            return "the chosen algorithm's parameters ([below](#trainalgorithm_params))"
+        if self.kind == "parameters_of":  # choices: the key whose table of parameters it is
+            what = "rule" if self.choices == ("aggregation_params",) else "algorithm"
+            return f"the chosen {what}'s parameters ([below](#train{self.choices[0] if self.choices else 'algorithm_params'}))"
         raise ValueError(f"unknown rule kind {self.kind!r}")
 
 
@@ -118,8 +119,8 @@ class RuleRecorder:
     def bounded(self, name: str, bound: Bound) -> None:
         self.rules[name].append(Rule("bounded", bound=bound))
 
-    def parameters_of(self, algorithm: str, name: str) -> None:
-        self.rules[name].append(Rule("parameters_of"))
+    def parameters_of(self, algorithm: str, name: str, table: Any = None) -> None:
+        self.rules[name].append(Rule("parameters_of", choices=(name,)))
 
 
 HELPERS = {name for name in vars(RuleRecorder) if not name.startswith("_") and name != "rules"}
@@ -321,6 +322,16 @@ def render() -> str:
             default = defaults[algorithm][param]
             shown = "`data.clients`" if default is dataclasses.MISSING else f"`{toml_value(default)}`"
             out.append(f"| `{algorithm}` | `{param}` | {bound} | {shown} |")
+    out += ["", "## train.aggregation_params", "",
+            "`train.aggregation_params` is a table of the chosen `train.aggregation` rule's parameters; any other name is",
+            "refused (`--set train.aggregation=trimmed_mean --set train.aggregation_params.beta=0.2`). Left out, a",
+            "parameter keeps its default below ([docs/security.md](../security.md#robust-aggregation)).", "",
+            "| rule | parameter | range | default |", "|---|---|---|---|"]
+    for rule, params in AGGREGATION_PARAMS.items():
+        if not params:
+            out.append(f"| `{rule}` | (none) | | |")
+        for param, bound in params.items():
+            out.append(f"| `{rule}` | `{param}` | {bound} | `{toml_value(AGGREGATION_DEFAULTS[rule][param])}` |")
     return "\n".join(out) + "\n"
 
 

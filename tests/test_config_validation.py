@@ -49,6 +49,8 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "data.classes": ("strlist?", [[], ["one"], ["a", "a"], ["a/b", "c"], [" a", "b"], ["", "b"]]),
     "data.image_size": ("int?", [0, -8]),
     "data.channels": ("int?", [0, 2, 4]),
+    "data.max_image_pixels": ("int", [0, -1]),
+    "data.follow_symlinks": ("bool", []),
     "train.model": ("str", ["resnet50", ""]),
     "train.algorithm": ("str", ["sgd", "FedAvg", ""]),
     "train.rounds": ("int", [0, -1]),
@@ -65,6 +67,8 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "train.eval_every": ("int", [0, -2]),
     "train.fraction_evaluate": ("float", [0, -0.5, 1.01]),
     "train.algorithm_params": ("table", [{"mu": 0.1}, {"lr": 1}]),  # the default fedavg takes no parameter
+    "train.aggregation": ("str", ["Median", "bulyan", ""]),
+    "train.aggregation_params": ("table", [{"beta": 0.1}, {"f": 1}]),  # the default mean takes no parameter
     "generation.policy": ("str", ["balanced", ""]),
     "generation.beta": ("float", [0, -12]),
     "generation.budget": ("int?", [-1]),
@@ -100,6 +104,7 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "runtime.max_update_norm": ("float|str", [-1, -0.5, "AUTO", "off", "", "median"]),
     "runtime.max_update_norm_factor": ("float", [1, 0.5, 0, -3, 1e7]),
     "runtime.update_norm_action": ("str", ["drop", "CLIP", ""]),
+    "runtime.max_refusals": ("int", [-1]),
     "sdafl.samples_per_client": ("int", [0]),
     "sdafl.tau": ("float", [-0.1, 1]),
     "sdafl.lambda2": ("float", [-1]),
@@ -452,6 +457,10 @@ def test_fedeas_ablation_keys_read_from_set_and_change_the_fingerprint_only_off_
     assert content["data"].pop("local_test_fraction") == 0.0  # federated evaluation's keys, at their defaults
     assert [content["train"].pop(key) for key in ("evaluation", "eval_every", "fraction_evaluate")] == ["server", 1, 1.0]
     content["data"].pop("max_samples_per_client")  # who may register: never in the fingerprint
+    for section, defaults in {"data": {"max_image_pixels": 1 << 24, "follow_symlinks": False},
+                              "train": {"aggregation": "mean", "aggregation_params": {}}}.items():
+        for key, default in defaults.items():  # the untrusted-members keys, at their defaults
+            assert content[section].pop(key) == default
     content["data"].pop("local_dir")  # where the launcher finds client folders: never in the fingerprint
     content["data"].pop("test_dir")  # where the coordinator's own test data lies (local mode): never in it either
     for key, default in {"source": "split", "classes": None, "image_size": None, "channels": None}.items():

@@ -1,5 +1,6 @@
 """The decoded-image cache of a client's folder: one uncompressed .npz per folder and split (no pickle), valid while the
-folder's listing (names, sizes, modification times, labels, schema) is unchanged, its pixels checked by SHA-256."""
+folder's listing (names, sizes, modification and change times, inodes, labels, schema) is unchanged, its pixels checked
+by SHA-256."""
 
 from __future__ import annotations
 
@@ -11,18 +12,21 @@ from pathlib import Path
 import numpy as np
 
 
-def listing_digest(paths: Sequence[Path], labels: np.ndarray, schema_digest: str) -> str:
-    """What the decoded array depends on: each file's path, size and mtime, its label, and the schema (image size)."""
-    h = hashlib.sha256(schema_digest.encode())
+def listing_digest(paths: Sequence[Path], labels: np.ndarray, context: str) -> str:
+    """What the decoded array depends on: each file's path (its class folder), size, mtime, inode and ctime, its label,
+    and `context` (the schema's digest, the decoding limits). A file replaced with one of the same size and a copied
+    mtime (cp -p, rsync -t, an unpacked archive) still differs in its inode or ctime, which no tool sets back."""
+    h = hashlib.sha256(context.encode())
     for path, label in zip(paths, labels.tolist()):
         stat = os.stat(path)
-        h.update(f"{path}\t{stat.st_size}\t{stat.st_mtime_ns}\t{label}\n".encode())
+        h.update(f"{str(path)!r}\t{stat.st_size}\t{stat.st_mtime_ns}\t{stat.st_dev}:{stat.st_ino}\t{stat.st_ctime_ns}"
+                 f"\t{label}\n".encode())
     return h.hexdigest()
 
 
 def _pixels_digest(x: np.ndarray) -> str:
     h = hashlib.sha256(str(x.shape).encode())
-    h.update(memoryview(np.ascontiguousarray(x)).cast("B"))
+    h.update(np.ascontiguousarray(x).reshape(-1).view(np.uint8).data)  # flat: a zero-size array hashes too
     return h.hexdigest()
 
 
@@ -40,7 +44,7 @@ class DecodedCache:
                 if str(archive["listing"]) != self.listing:
                     return None
                 x = archive["x"]
-                if str(archive["sha256"]) != _pixels_digest(x):
+                if x.dtype != np.uint8 or x.ndim != 4 or str(archive["sha256"]) != _pixels_digest(x):
                     return None
                 return x
         except (OSError, ValueError, KeyError):

@@ -3,9 +3,12 @@ one connection per transfer; the protocol and why are in fedsynth/wire/data_plan
 
 Every check of the gRPC path holds: an update goes through Federation.accept_update (the open round, the receive slot,
 the digest, keys, shapes, dtypes, finiteness) and a refusal carries the status code gRPC would give. A connection
-reaches a worker (a bounded pool) only once its TLS handshake and request header are whole, within a second
-(coordinator.data_plane_admission); from then on each read and send has a deadline (the run's heartbeat timeout), a
-whole payload, either way, the round's deadline, and a ticket serves one transfer at a time.
+reaches a worker (one of MAX_TRANSFERS) only once its TLS handshake and request header are whole, within a second
+(coordinator.data_plane_admission), and its certificate (not revoked) and its ticket (of the open round, the
+certificate's client's) have been checked there: a refused request never waits. It then waits in a bounded queue, at
+most QUEUE_WAIT_S; from then on each read and send has a stall deadline (the run's heartbeat timeout: no byte moved
+for that long), a whole payload, either way, the round's deadline, and a ticket serves one transfer at a time. Should
+the admission loop die, the data plane tells `on_dead` (the server turns its gRPC health NOT_SERVING).
 """
 
 from __future__ import annotations
@@ -14,15 +17,14 @@ import logging
 import socket
 import ssl
 import threading
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import grpc
 import torch
 
-from coordinator.data_plane_admission import Admission, Request
+from coordinator.data_plane_admission import QUEUE_WAIT_S, Admission, Request, TransferQueue, refuse
 from coordinator.federation import Federation
 from coordinator.receive_slots import SLOTTED_UPLOAD_BYTES, ReceiveSlots, UploadCancelled
 from coordinator.updates import header_fields
@@ -34,7 +36,7 @@ from fedsynth.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger(__name__)
 ACCEPT_POLL_S = 0.25  # how soon the admission loop notices stop()
-MAX_TRANSFERS = 32  # admitted requests served at once; more wait their turn (uploads are also held to the receive slots)
+MAX_TRANSFERS = 32  # requests served at once; more wait in the TransferQueue (uploads also wait for a receive slot)
 
 
 class TicketInUse(FedsynthError):
@@ -44,7 +46,8 @@ class TicketInUse(FedsynthError):
 class DataPlaneServer:
     def __init__(self, federation: Federation, receive_slots: ReceiveSlots, *, host: str, port: int = 0,
                  tls: ssl.SSLContext | None = None, revoked: RevocationList | None = None,
-                 receive_buffers: ReceiveBuffers | None = None) -> None:
+                 receive_buffers: ReceiveBuffers | None = None, workers: int = MAX_TRANSFERS,
+                 queue_wait_s: float = QUEUE_WAIT_S, on_dead: Callable[[], None] | None = None) -> None:
         self.federation = federation
         self.receive_slots = receive_slots
         self.receive_buffers = receive_buffers
@@ -58,22 +61,60 @@ class DataPlaneServer:
         self._stop = threading.Event()
         self._tickets_in_use: set[bytes] = set()
         self._tickets_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(MAX_TRANSFERS, thread_name_prefix="data-plane")
+        self.on_dead = on_dead  # called (once) if the admission loop dies: the server's health goes NOT_SERVING
+        self.dead = False
         closed = federation.metrics.data_plane_closed
-        self.admission = Admission(self.listener, lambda request: self._pool.submit(self._serve, request), tls=tls,
-                                   closed=lambda reason: closed.labels(reason=reason).inc())
-        self._thread = threading.Thread(target=self.admission.run, args=(self._stop,), name="data-plane-admission", daemon=True)
+        count = lambda reason: closed.labels(reason=reason).inc()  # noqa: E731
+        self.queue = TransferQueue(wait_s=queue_wait_s, closed=count)
+        self.admission = Admission(self.listener, self._check_and_queue, tls=tls, closed=count)
+        self._thread = threading.Thread(target=self._admit_until_stopped, name="data-plane-admission", daemon=True)
+        self._workers = [threading.Thread(target=self._work, name=f"data-plane-{i}", daemon=True) for i in range(workers)]
 
     def start(self) -> None:
+        for worker in self._workers:
+            worker.start()
         self._thread.start()
         log.info("data plane on port %d (%s)", self.port, "mutual TLS" if self.tls is not None else "plaintext")
 
     def stop(self) -> None:
-        """No new transfers; one under way ends at its next read's deadline, or with the process."""
+        """No new transfers, none waiting (refused UNAVAILABLE); one under way ends at its next stall deadline, or with
+        the process."""
         self._stop.set()
         self._thread.join(timeout=ACCEPT_POLL_S * 4)
         self.listener.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.queue.stop()
+
+    def _admit_until_stopped(self) -> None:
+        try:
+            self.admission.run(self._stop)
+        except Exception:  # a bug: no new transfer can start, so the coordinator must stop saying it serves
+            log.critical("data plane: the admission loop died; no new transfers on port %d, health NOT_SERVING", self.port,
+                         exc_info=True)
+            self.dead = True
+            self.listener.close()  # clients are refused at connect (UNAVAILABLE) instead of waiting in the backlog
+            self.queue.stop()
+            if self.on_dead is not None:
+                self.on_dead()
+
+    def _work(self) -> None:
+        while (request := self.queue.take()) is not None:
+            self._serve(request)
+
+    # ---- admission: before the queue ------------------------------------------------------------------------------
+
+    def _check_and_queue(self, request: Request) -> None:
+        """On the admission thread: the certificate (a client's, not revoked) and the ticket (of the open round, issued
+        to that client) before the request may wait for a worker; a refused one gets its status at once. The worker
+        checks again (the round may close meanwhile)."""
+        try:
+            caller = self._caller(request.conn)
+            client_id, _, _ = self.federation.data_plane_client(request.ticket, task=False)
+            self._check_caller(client_id, caller)
+        except (AuthenticationError, StateError) as exc:
+            code = self._refused(request.op, exc)
+            refuse(request.conn, code, str(exc))
+            return
+        self.queue.put(request)
 
     # ---- one connection ------------------------------------------------------------------------------------------
 
@@ -97,14 +138,19 @@ class DataPlaneServer:
                 else:
                     self._submit(conn, ticket, header, caller)
         except (UploadCancelled, AuthenticationError, WireError, ValueError, StateError, TicketInUse) as exc:
-            code = _status_of(exc)
-            log.warning("data plane: refused (%s): %s", code.name, exc)
-            if op == wire.SUBMIT:
-                self.federation.metrics.rejected_updates.labels(code=code.name).inc()
+            code = self._refused(op, exc)
             try:
                 wire.send_status(conn, code, str(exc))
             except OSError:
                 pass  # the peer is gone already
+
+    def _refused(self, op: int, exc: Exception) -> grpc.StatusCode:
+        """Log and count a refusal; its status code."""
+        code = _status_of(exc)
+        log.warning("data plane: refused (%s): %s", code.name, exc)
+        if op == wire.SUBMIT:
+            self.federation.metrics.rejected_updates.labels(code=code.name).inc()
+        return code
 
     @contextmanager
     def _one_transfer(self, ticket: bytes) -> Iterator[None]:

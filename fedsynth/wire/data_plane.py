@@ -50,6 +50,7 @@ _STATUS = struct.Struct("<BI")
 _TOTAL = struct.Struct("<Q")
 PIECE_BYTES = 4 * CHUNK_BYTES  # sent and hashed per piece: each piece is one trip back to the GIL, beside other threads
 SMALL_PART_BYTES = 64 << 10  # parts smaller than this are joined into one piece: no send per bias vector
+SEND_SLICE_BYTES = 64 << 10  # the most one send() moves under TLS, where it moves all or nothing (see send_payload)
 STALL_S = 60.0  # no byte for this long (or no answer: a receive slot, a fold) and a transfer counts as broken
 
 
@@ -180,27 +181,36 @@ def prepare(buffer: torch.Tensor) -> PreparedPayload:
 def send_payload(sock: socket.socket, payload: Payload, digest: bytes | None = None, *, with_size: bool = False,
                  deadline: float | None = None) -> None:
     """The payload's bytes (after their size, `with_size`), then their checksum (computed piece by piece as sent,
-    unless given). With a `deadline` (time.monotonic()), all of it by then, or WireError naming how much went: the
-    socket's own timeout bounds each stall, the deadline the whole send (a peer reading a little at a time)."""
+    unless given). The socket's own timeout bounds each stall, not the whole send: it fails (TimeoutError naming how
+    much went) only once the peer took no byte for that long, so a peer that keeps reading, however slowly, gets the
+    payload. With a `deadline` (time.monotonic()), all of it by then, or WireError naming how much went: that bounds
+    the whole send (a peer reading a little at a time)."""
     parts = [byte_view(payload)] if isinstance(payload, torch.Tensor) else payload
     total = sum(part.nbytes for part in parts)
     stall = sock.gettimeout()
+    # Under TLS one send() moves its whole slice or nothing (no partial writes), so a slice is the most that must move
+    # within one stall timeout: 64 KiB takes 0.65 s at 100 kB/s. A plain socket's send() returns what the kernel took.
+    most = SEND_SLICE_BYTES if isinstance(sock, ssl.SSLSocket) else PIECE_BYTES
     sent = 0
 
     def send(data: bytes | memoryview) -> None:
         nonlocal sent
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise WireError(f"payload not sent within its deadline ({sent} of {total} bytes)")
-            sock.settimeout(left if stall is None else min(stall, left))
-        try:
-            sock.sendall(data)
-        except TimeoutError:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise WireError(f"payload not sent within its deadline ({sent} of {total} bytes)") from None
-            raise
-        sent += len(data) if isinstance(data, bytes) else data.nbytes
+        view = memoryview(data)
+        while view.nbytes:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WireError(f"payload not sent within its deadline ({sent} of {total} bytes)")
+                sock.settimeout(left if stall is None else min(stall, left))
+            try:
+                moved = sock.send(view[:most])
+            except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise WireError(f"payload not sent within its deadline ({sent} of {total} bytes)") from None
+                raise TimeoutError(f"the peer took no byte for {sock.gettimeout():g}s ({sent} of {total} bytes of the "
+                                   "payload sent)") from None
+            view = view[moved:]
+            sent += moved
 
     try:
         if with_size:

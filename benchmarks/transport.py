@@ -41,7 +41,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from deploy.processes import ProcessGroup, fedsynth_command, wait_for_file
-from fedsynth.wire import codec, data_plane, grpcutil
+from fedsynth.assembly import model_for
+from fedsynth.config import from_json
+from fedsynth.learning.label_schema import schema_of
+from fedsynth.wire import codec, data_plane, grpcutil, versions
 from fedsynth.wire.raw_messages import submit_update_call, subscribe_call
 from fedsynth.wire.tensor_buffer import ReceiveBuffers, decode_views, encode_parts
 from fedsynth.wire.transfer import chunk_messages, describe_parts, receive_into
@@ -99,7 +102,12 @@ def grpc_round_trips(address: str, rounds: int, *, training: Callable[[], None])
     submit = submit_update_call(channel)
     subscribe = subscribe_call(channel)
     spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=60, wait_for_ready=True)
-    reply = stub.Register(pb.RegisterRequest(client_id=0, num_samples=1, run_id=spec.run_id), timeout=60)
+    cfg = from_json(spec.config_json)
+    schema = schema_of(cfg.data)  # the model a client node of this run builds: its layout is checked at registration
+    assert schema is not None, "the benchmark's runs are local-mode runs on CIFAR-shaped folders"
+    model = model_for(cfg, num_classes=len(schema.classes), in_channels=schema.channels, image_size=schema.image_size)
+    reply = stub.Register(pb.RegisterRequest(client_id=0, num_samples=1, run_id=spec.run_id,
+                                             **versions.registration_fields(model.state_dict())), timeout=60)
     session, endpoint = reply.session, data_plane.Endpoint("127.0.0.1", reply.data_port)
     stream = subscribe(pb.SubscribeRequest(client_id=0, session=session), timeout=3600)
     timings = []

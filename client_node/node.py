@@ -22,7 +22,7 @@ from client_node.metrics import ClientMetrics
 from client_node.sdafl_client import ensure_samples, report_failure, upload
 from client_node.synthesis import SyntheticSet, fedeas_total, synthesize
 from client_node.uploads import payload_message, stream_upload
-from fedsynth.wire import codec, data_plane, grpcutil, wire_dtype
+from fedsynth.wire import codec, data_plane, grpcutil, versions, wire_dtype
 from fedsynth.assembly import (
     algorithm_for,
     client_seed,
@@ -181,6 +181,8 @@ class LogicalClient:
             image_size=self.state.image_size,
             unknown_classes=list(self.state.unknown_classes),
             node_token=NODE_TOKEN,
+            **versions.registration_fields(self.model.state_dict()),
+            test_samples=0 if self.state.test is None else len(self.state.test),
         )
         reply = self._register(stub, request, cfg)
         if cfg.train.algorithm == "sdafl" and not reply.synthetic_uploaded:
@@ -298,7 +300,8 @@ class LogicalClient:
                 raise ConfigError(f"client {self.client_id}: the run's data.source is \"local\" but this node got no --data "
                                   f"for client {self.client_id}")
             local = load_client_data(self.options.data_path, schema, client_id=self.client_id, min_size=cfg.data.min_size,
-                                     cache_dir=self.options.cache_dir / "data")
+                                     cache_dir=self.options.cache_dir / "data", max_image_pixels=cfg.data.max_image_pixels,
+                                     follow_symlinks=cfg.data.follow_symlinks)
             full, own_test, channels, size = local.train, local.test, schema.channels, schema.image_size
             described = (local.schema_digest, full.x.shape[3], full.x.shape[1], local.unknown_classes)
             log.info("client %d: loaded %d training and %d test images (%s) from %s", self.client_id, len(full.y),
@@ -412,9 +415,11 @@ class LogicalClient:
             else:
                 stream_upload(self._submit_update, header, parts, timeout_s=timeout_s, what=f"client {self.client_id} submit", inline=True)
         except grpc.RpcError as exc:
-            # Refused for the state of the run (its round closed, its norm past runtime.max_update_norm): the dispatch
-            # stream is still good, and the next task (or the run's end) comes on it
-            if not (isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION):
+            # Refused (its round closed, its norm past runtime.max_update_norm, its bytes malformed): the refusal costs
+            # this round only; the dispatch stream is still good, and the next task (or the run's end, or this client's
+            # exclusion after runtime.max_refusals refusals in a row) comes on it
+            refusals = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
+            if not (isinstance(exc, grpc.Call) and exc.code() in refusals):
                 raise
             log.warning("client %d: round %d: the coordinator refused the update: %s", self.client_id, task.round, exc.details())
             return

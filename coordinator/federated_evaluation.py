@@ -4,6 +4,7 @@ their counts and summarize them (fedsynth.learning.evaluation.summarize_round)."
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import secrets
 import threading
@@ -38,10 +39,11 @@ class EvaluationRound:
     deadline: float
     counts: dict[int, EvaluationCounts] = field(default_factory=dict)
     bytes_sent: int = 0  # the model, once per evaluation task queued (a rejoining evaluator's again)
+    refused: set[int] = field(default_factory=set)  # evaluators whose counts broke a bound: left out, not waited for
 
     @property
     def pending(self) -> set[int]:
-        return self.asked - self.counts.keys()
+        return self.asked - self.counts.keys() - self.refused
 
 
 class FederatedEvaluator:
@@ -101,8 +103,14 @@ class FederatedEvaluator:
             evaluation = self._open.get(number)
             if evaluation is None or evaluation.task_id != task_id:
                 raise StateError(f"evaluation of round {number} (task {task_id[:8]}) is not open")
-            if client_id not in evaluation.sampled or client_id in evaluation.counts:
+            if client_id not in evaluation.sampled or client_id in evaluation.counts or client_id in evaluation.refused:
                 raise StateError(f"client {client_id} was not sampled to evaluate round {number} or already answered")
+            test_samples = self.registry.clients[client_id].test_samples
+            if counts.examples > test_samples or not math.isfinite(counts.loss_sum):
+                evaluation.refused.add(client_id)
+                self.lock.notify_all()
+                raise WireError(f"client {client_id}'s evaluation of round {number} counts {counts.examples} examples "
+                                f"(loss sum {counts.loss_sum!r}); it registered a test set of {test_samples}: refused")
             evaluation.counts[client_id] = counts
             self.lock.notify_all()
         log.info("round %d: client %d evaluated %d examples, %d correct", number, client_id, counts.examples, counts.correct)

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import math
 import queue
 import threading
 import time
@@ -35,8 +36,10 @@ from coordinator.run_state import RunState
 from coordinator.schema_check import Schema, SchemaRefused, check_schema
 from coordinator.sdafl_server import SdaflServer
 from coordinator.update_norms import update_norm
-from coordinator.updates import ReceivedUpdate, decode_update, local_state
-from fedsynth.wire import wire_dtype
+from coordinator.members.refusals import RefusalLedger
+from coordinator.updates import ReceivedUpdate, check_integer_moves, check_reports, decode_update, local_state, update_layout
+from fedsynth.wire import versions, wire_dtype
+from fedsynth.algorithms.base import extra_layout
 from fedsynth.algorithms.fedgen import FedGen, head_keys
 from fedsynth.assembly import algorithm_for, model_for
 from fedsynth.config import RunConfig
@@ -44,7 +47,7 @@ from fedsynth.learning.data import load_dataset
 from fedsynth.algorithms.ddpm import FedDdpm
 from fedsynth.learning.local_data import load_test_dir
 from fedsynth.learning.label_schema import schema_of
-from fedsynth.errors import StateError
+from fedsynth.errors import StateError, WireError
 from fedsynth.learning.evaluation import EvaluationCounts
 from fedsynth.learning.training import TrainData, images_to_tensor
 from fedsynth.wire.transfer import PreparedPayload
@@ -66,7 +69,8 @@ class Federation:
         if cfg.data.source == "local" and schema is not None:
             num_classes, (channels, height, width) = len(schema.classes), (schema.channels, schema.image_size, schema.image_size)
             if cfg.data.test_dir is not None:
-                test = load_test_dir(cfg.data.test_dir, schema, cache_dir=out_dir / "test-dir-cache")
+                test = load_test_dir(cfg.data.test_dir, schema, cache_dir=out_dir / "test-dir-cache",
+                                     max_image_pixels=cfg.data.max_image_pixels, follow_symlinks=cfg.data.follow_symlinks)
                 test_data = TrainData(images_to_tensor(test.x), torch.as_tensor(test.y))
                 log.info("server evaluation on %d test images from data.test_dir %s", len(test.y), cfg.data.test_dir)
         else:
@@ -81,7 +85,11 @@ class Federation:
 
             load_initial_weights(model, Path(cfg.federate.init))
         self.state = RunState(model, algorithm, run_id=self.run_id, seed=cfg.seed)
-        self.update_layout = wire_dtype.expected_layout(self.state.layout, cfg.runtime.wire_dtype)
+        wire = cfg.runtime.wire_dtype
+        self.update_layout = update_layout(wire_dtype.expected_layout(self.state.layout, wire),
+                                           wire_dtype.expected_layout(extra_layout(algorithm, model), wire))
+        self.layout_digest = versions.layout_digest(model.state_dict())  # every node's model must have this layout
+        self.num_classes = num_classes
         self.sdafl = SdaflServer(cfg, (channels, height, width), num_classes) if cfg.train.algorithm == "sdafl" else None
         self.mean_pool = None  # FedMix / NaiveMix: the clients' pooled mean data
         if cfg.train.algorithm in ("fedmix", "naivemix"):
@@ -92,9 +100,10 @@ class Federation:
         self.registry = ClientRegistry(self.lock, metrics, run_id=self.run_id, num_clients=cfg.data.clients,
                                        num_classes=num_classes, max_samples=cfg.data.max_samples_per_client)
         self.progress = ProgressFeed(self.lock)
+        self.refusals = RefusalLedger(cfg.runtime.max_refusals, metrics.refused_updates)
         self.driver = RoundDriver(cfg, out_dir=out_dir, lock=self.lock, registry=self.registry, state=self.state,
                                   algorithm=algorithm, sdafl=self.sdafl, metrics=metrics, progress=self.progress,
-                                  test_data=test_data, mean_pool=self.mean_pool, fedgen=self.fedgen)
+                                  test_data=test_data, mean_pool=self.mean_pool, fedgen=self.fedgen, refusals=self.refusals)
         self.started = time.time()
         self.data_port = 0  # the data plane's, once it listens (runtime.data_plane = "tcp")
         if self.mean_pool is not None:
@@ -128,16 +137,25 @@ class Federation:
     def register(
         self, client_id: int, num_samples: int, fedeas_images: int, missing: Iterable[int], run_id: str, synthetic_digest: str = "",
         label_counts: Iterable[int] = (), schema: Schema | None = None, unknown_classes: tuple[str, ...] = (),
-        node_token: str = "",
+        node_token: str = "", node: versions.NodeVersion | None = None, test_samples: int = 0,
     ) -> str:
+        if node is not None:  # first: a node of another release may mean anything by the fields below
+            self.registry.check_claim(client_id, run_id)
+            try:
+                versions.check_node(client_id, node, expected_digest=self.layout_digest)
+            except versions.VersionRefused:
+                self._refuse_registration(client_id, "version")
+                raise
+        with self.lock:
+            excluded = self.refusals.excluded.get(client_id)
+        if excluded is not None:
+            raise StateError(f"client {client_id} was excluded from this run after round {excluded['round']}: {excluded['reason']}")
         if schema is not None:
             self.registry.check_claim(client_id, run_id)  # a refusal below names only this run's clients
             try:
                 check_schema(client_id, self.schema, schema, unknown_classes)  # first: refused, never admitted
             except SchemaRefused:
-                with self.lock:
-                    self.registry.refused.add(client_id)  # the registration wait stops waiting for it
-                    self.lock.notify_all()
+                self._refuse_registration(client_id, "schema")
                 raise
         shared = self.sdafl or self.mean_pool  # the set sent once to each client (SDA-FL's images, FedMix's means)
         return self.registry.register(
@@ -146,8 +164,15 @@ class Federation:
             has_synthetic=lambda digest: shared is not None and bool(digest) and digest == shared.digest(),
             synthetic_digest=synthetic_digest,
             label_counts=label_counts, need_label_counts=self.fedgen is not None,
-            node_token=node_token, live_within_s=self.cfg.runtime.heartbeat_timeout_s,
+            node_token=node_token, live_within_s=self.cfg.runtime.heartbeat_timeout_s, test_samples=test_samples,
         )
+
+    def _refuse_registration(self, client_id: int, reason: str) -> None:
+        """A client refused for what it is (its release, its data's schema): the registration wait stops waiting for it."""
+        self.metrics.rejected_registrations.labels(reason=reason).inc()
+        with self.lock:
+            self.registry.refused.add(client_id)
+            self.lock.notify_all()
 
     def open_stream(self, client_id: int, session: str) -> queue.Queue[Any]:
         with self.lock:
@@ -245,17 +270,61 @@ class Federation:
         with self.lock:
             record = self.registry.record(client_id, header["session"])
             rnd = self.driver.current
-            if rnd is None or rnd.number != header["round"] or rnd.task_id != header["task_id"]:
-                current = "none" if rnd is None else rnd.number
-                raise StateError(f"update for round {header['round']} (task {header['task_id'][:8]}) but the open round is {current}")
-            if not rnd.awaits(client_id):
-                raise StateError(f"client {client_id} was not sampled in round {rnd.number} or already answered")
+            self._admit_upload(rnd, client_id, header)
+            assert rnd is not None
+            rnd.receiving.add(client_id)  # one upload at a time per client and round
             # read under the lock: a round that closes meanwhile lets go of its payload and global state
             max_bytes, global_state = 2 * rnd.payload.meta.total_bytes + (1 << 20), rnd.global_state
+        try:
+            self._receive_update(rnd, record, header, receive, receiving, max_bytes, global_state)
+        except WireError as exc:  # its bytes or its numbers: that client's round is over, the run goes on
+            with self.lock:
+                if self.driver.current is rnd and rnd.awaits(client_id):
+                    rnd.refused[client_id] = str(exc)
+                    self.refusals.refuse(rnd.number, client_id, str(exc))
+                    self.lock.notify_all()  # the round may be complete now
+            raise
+        finally:
+            with self.lock:
+                rnd.receiving.discard(client_id)
+
+    def upload_deadline_s(self) -> float:
+        """How long an upload opened now may take: the open round's time left, and a heartbeat timeout's grace."""
+        with self.lock:
+            rnd = self.driver.current
+            left = 0.0 if rnd is None else rnd.deadline_s - (time.monotonic() - rnd.started)
+        return max(0.0, left) + self.cfg.runtime.heartbeat_timeout_s
+
+    def _admit_upload(self, rnd: RoundInProgress | None, client_id: int, header: dict[str, Any]) -> None:
+        """StateError unless the header answers this client's task of the open round, and no other upload of it is under
+        way or done; a stale, replayed or duplicate upload is named in the round's refusals. Under the lock."""
+        if rnd is None or rnd.number != header["round"] or rnd.task_id != header["task_id"]:
+            current = "none" if rnd is None else rnd.number
+            problem = f"update for round {header['round']} (task {header['task_id'][:8]}) but the open round is {current}"
+            self.refusals.refuse(None if rnd is None else rnd.number, client_id, problem, reason="stale", counts=False)
+            raise StateError(problem)
+        if client_id in rnd.receiving:
+            problem = f"client {client_id} is already uploading its update for round {rnd.number}: one upload at a time"
+            self.refusals.refuse(rnd.number, client_id, problem, reason="duplicate", counts=False)
+            raise StateError(problem)
+        if not rnd.awaits(client_id):
+            sampled = client_id in rnd.sampled
+            problem = (f"client {client_id} already answered round {rnd.number}" if sampled
+                       else f"client {client_id} was not sampled in round {rnd.number}")
+            self.refusals.refuse(rnd.number, client_id, problem, reason="duplicate" if sampled else "stale", counts=False)
+            raise StateError(problem)
+
+    def _receive_update(self, rnd: RoundInProgress, record: Any, header: dict[str, Any],
+                        receive: Callable[[int], torch.Tensor], receiving: Callable[[], AbstractContextManager[object]],
+                        max_bytes: int, global_state: dict[str, torch.Tensor]) -> None:
+        """Receive, check completely, then answer and fold (or hold) one admitted update."""
+        client_id = record.client_id
         bound = self.driver.norm_bound
+        check_reports(header, client_id=client_id)  # from the header alone: refused before it waits for a slot
         with receiving():
             log.info("round %d: receiving client %d's update (%d bytes)", rnd.number, client_id, header["total_bytes"])
             update = decode_update(receive(max_bytes), layout=self.update_layout, client_id=client_id, wire=self.cfg.runtime.wire_dtype)
+            check_integer_moves(update, global_state, max_steps=self._forward_passes(record.num_samples), client_id=client_id)
             norm = update_norm(update.state, update.extra, global_state, deltas=update.deltas) if bound.enabled else None
             labels = self._pseudo_labels(client_id, local_state(update, global_state)) if self.sdafl is not None else None
             fold = self._folder(rnd, client_id, update, float(record.num_samples), labels, global_state)
@@ -288,6 +357,15 @@ class Federation:
             del update, labels, fold  # the received buffer goes before the slot does (unless the round or fold thread holds it)
         self.metrics.bytes_received.inc(num_bytes)
         log.info("round %d: update from client %d %s", rnd.number, client_id, "held" if client_id in rnd.held else "accepted")
+
+    def _forward_passes(self, num_samples: int) -> int:
+        """The most training forward passes one round can take a client of N_k real samples through (BatchNorm's
+        num_batches_tracked moves by one each): E epochs over its real and synthetic data (FedEAS's Full-Balance
+        at most C x N_k images more, SDA-FL's shared set), up to 4 passes a step (mixup's and MOON's extra ones)."""
+        train = self.cfg.train
+        data = (self.num_classes + 1) * num_samples + self.cfg.data.clients * self.cfg.sdafl.samples_per_client
+        steps = train.max_steps if train.max_steps is not None else train.local_epochs * math.ceil(data / train.batch_size)
+        return 4 * max(steps, self.cfg.federate.local_steps) + 4
 
     def _judge(self, rnd: RoundInProgress, client_id: int, norm: float, fold: Callable[[float], None]) -> None:
         """runtime.max_update_norm: fold the update at the scale its norm allows now (a number), or hold it until the

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from coordinator.members.refusals import run_record
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.server import create_server
 from fedsynth.process import allocator, lifetime
@@ -104,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
             "generation": {str(k): v for k, v in sorted(federation.generation_reports().items())},
             "sdafl": federation.sdafl.privacy_report() if federation.sdafl is not None else None,
             "privacy": federation.privacy_report(),
+            **run_record(federation.history),  # refused_updates, excluded_clients
             "success": outcome.get("code") == EXIT_OK,
             "error": outcome.get("error"),
             "exit_code": int(outcome.get("code", EXIT_BELOW_QUORUM)),

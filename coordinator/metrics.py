@@ -28,6 +28,10 @@ class CoordinatorMetrics:
         self.rejected_updates = Counter(
             "fedsynth_coordinator_rejected_updates_total", "Updates refused, by gRPC status code", ["code"], **kw
         )
+        self.refused_updates = Counter(
+            "fedsynth_coordinator_refused_updates_total",
+            "Client updates refused for their content or timing, by reason (coordinator.members.refusals.REASONS)", ["reason"], **kw
+        )
         self.update_norm_exceeded = Counter(
             "fedsynth_coordinator_update_norm_exceeded_total",
             "Updates whose L2 norm exceeded runtime.max_update_norm, by what became of them (clipped, refused)", ["action"], **kw

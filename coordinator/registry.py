@@ -33,6 +33,7 @@ class ClientRecord:
     node_token: str = ""  # the client-node process's random token (RegisterRequest.node_token)
     registered_at: float = 0.0  # monotonic time of this registration
     stream_closed_at: float | None = None  # monotonic time its last dispatch stream ended; None: none has yet
+    test_samples: int = 0  # federated evaluation: its local test set's size, the most examples an evaluation may count
 
 
 class ClientRegistry:
@@ -60,7 +61,7 @@ class ClientRegistry:
     def register(self, client_id: int, num_samples: int, fedeas_images: int, missing: Iterable[int], run_id: str, *,
                  data_fixed: bool, has_synthetic: Callable[[str], bool], synthetic_digest: str = "",
                  label_counts: Iterable[int] = (), need_label_counts: bool = False, node_token: str = "",
-                 live_within_s: float = 0.0) -> str:
+                 live_within_s: float = 0.0, test_samples: int = 0) -> str:
         """Admit (or re-admit) a client; once the budget is fixed (data_fixed) it must report the same data.
         With need_label_counts (FedGen) it must report C label counts summing to num_samples, and the same ones again."""
         self.check_claim(client_id, run_id)
@@ -68,6 +69,9 @@ class ClientRegistry:
             raise WireError(f"client {client_id} reported num_samples={num_samples}; must be >= 1")
         if self.max_samples and num_samples > self.max_samples:
             self.metrics.rejected_registrations.labels(reason="max_samples_per_client").inc()
+            with self.lock:
+                self.refused.add(client_id)  # not waited for (it may come back with a count the run admits)
+                self.lock.notify_all()
             log.warning("client %d refused: N_k=%d above data.max_samples_per_client=%d", client_id, num_samples, self.max_samples)
             raise StateError(f"client {client_id} registered N_k={num_samples} samples, above data.max_samples_per_client="
                              f"{self.max_samples}: refused")
@@ -97,6 +101,7 @@ class ClientRegistry:
             record.has_synthetic = has_synthetic(synthetic_digest)
             record.label_counts = counts
             record.node_token, record.registered_at = node_token, time.monotonic()
+            record.test_samples = test_samples
             if old is not None:
                 record.generation = old.generation
                 self._close_outbox(old)

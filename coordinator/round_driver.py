@@ -23,6 +23,7 @@ from coordinator.dispatch import Finished, TaskDelivery
 from coordinator.federated_evaluation import FederatedEvaluator
 from coordinator.fedgen_server import FedGenServer
 from coordinator.mean_pool import MeanDataPool
+from coordinator.members.refusals import RefusalLedger
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.progress import ProgressFeed
 from coordinator.registry import ClientRegistry
@@ -33,11 +34,12 @@ from coordinator.update_folds import UpdateFolds
 from coordinator.update_norms import NormBound, Verdict
 from fedsynth.wire import codec, data_plane
 from fedsynth.algorithms.base import Algorithm, snapshot_state
+from fedsynth.algorithms.robust import aggregator_for
 from fedsynth.allocation import assigned_quota
 from fedsynth.assembly import clients_per_round
 from fedsynth.config import RunConfig
 from fedsynth.errors import QuorumError, WireError
-from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_INTERNAL, EXIT_OK, lower_thread_priority
+from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_INTERNAL, EXIT_OK, lower_thread_priority
 from fedsynth.wire.tensor_buffer import encode_parts, encode_to_buffer
 from fedsynth.learning.training import TrainData, evaluate
 from fedsynth.wire.transfer import PreparedPayload, prepare
@@ -67,13 +69,14 @@ class ClosedRound:
     closed_at: float
     saved: checkpoint.Checkpoint
     sdafl_summary: dict[str, Any]
+    members: dict[str, Any]  # the round's refused updates and the clients excluded after it (coordinator.members)
 
 
 class RoundDriver:
     def __init__(self, cfg: RunConfig, *, out_dir: Path, lock: threading.Condition, registry: ClientRegistry,
                  state: RunState, algorithm: Algorithm, sdafl: SdaflServer | None, metrics: CoordinatorMetrics,
                  progress: ProgressFeed, test_data: TrainData | None, mean_pool: MeanDataPool | None = None,
-                 fedgen: FedGenServer | None = None) -> None:
+                 fedgen: FedGenServer | None = None, refusals: RefusalLedger | None = None) -> None:
         self.cfg = cfg
         self.out_dir = out_dir
         self.lock = lock
@@ -92,7 +95,8 @@ class RoundDriver:
         # No test set on the coordinator (local mode without one): no server evaluation, whatever train.evaluation says
         self.server_evaluates = cfg.train.evaluation != "federated" and test_data is not None
         self.norm_bound = NormBound(cfg.runtime)
-        self.folds = UpdateFolds(lock)
+        self.refusals = refusals or RefusalLedger(cfg.runtime.max_refusals, metrics.refused_updates)
+        self.folds = UpdateFolds(lock, refuse=self._refuse_folded)
         # With overlap_evaluation, round r is tested (then checkpointed and published) on this thread while
         # round r+1 already trains: the clients never wait for the coordinator's test pass. The thread runs at a lower
         # CPU priority: it must not slow the next round's transfers (on 2 cores, a ResNet-18 checkpoint written during
@@ -115,6 +119,8 @@ class RoundDriver:
     def run(self) -> None:
         """Play every remaining round; raises QuorumError when the run cannot go on."""
         self.norm_bound.restore(self.state.history)  # a resumed run's "auto" bound sees the rounds before it
+        with self.lock:
+            self.refusals.restore(self.state.history)  # and its exclusions are the run's before it
         try:
             if self.state.completed == 0 and not self.state.initial and self.server_evaluates:
                 # here, not before the server binds: ResNet-18 on CIFAR's 10,000 test images takes minutes on a CPU,
@@ -226,7 +232,9 @@ class RoundDriver:
         state = self.state
         k = self.cfg.data.clients
         m = clients_per_round(self.cfg)
-        sampled = sorted(int(c) for c in state.rng.choice(k, size=m, replace=False))
+        drawn = sorted(int(c) for c in state.rng.choice(k, size=m, replace=False))
+        with self.lock:  # an excluded client is drawn as before (the draws of the others stay the same) but sent nothing
+            sampled = [c for c in drawn if c not in self.refusals.excluded]
         global_state = self._closed_state if self._closed_state is not None else snapshot_state(state.model)
         self._closed_state = None
         payload = self._task_payload(global_state, with_images=False)
@@ -235,7 +243,7 @@ class RoundDriver:
             task_id=secrets.token_hex(8),
             sampled=sampled,
             payload=payload,
-            aggregator=self.algorithm.new_aggregator(global_state, state.server_state),
+            aggregator=aggregator_for(self.cfg.train, self.algorithm, global_state, state.server_state),
             deadline_s=self.cfg.runtime.round_timeout_s,
             need=quorum_size(m, self.cfg.runtime.quorum),
             global_state=global_state,
@@ -256,9 +264,13 @@ class RoundDriver:
         self._settle_held(rnd)
         if self.norm_bound.enabled:
             self.norm_bound.remember(rnd.norms, [*rnd.refused, *rnd.clipped])
-        if rnd.aggregator.count < rnd.need:  # updates refused for their norm do not count towards the quorum
+        with self.lock:
+            members = self.refusals.close_round(number, rnd.sampled, rnd.answered)
+            for excluded in members["excluded"]:  # its stream ends with its own line; the run goes on without it
+                self.registry.send(excluded["client"], Finished(f"excluded from the run: {excluded['reason']}", False, EXIT_ERROR))
+        if rnd.aggregator.count < rnd.need:  # refused updates do not count towards the quorum
             raise QuorumError(f"round {number}: {rnd.aggregator.count} of {len(rnd.sampled)} sampled clients' updates were "
-                              f"aggregated, {len(rnd.refused)} refused by runtime.max_update_norm; quorum is {rnd.need}")
+                              f"aggregated, {len(rnd.refused)} refused; quorum is {rnd.need}")
         new_global, state.server_state = rnd.aggregator.finish()
         state.model.load_state_dict(new_global)
         del new_global, global_state, payload
@@ -271,7 +283,7 @@ class RoundDriver:
             state.server_state, fedgen_summary = self.fedgen.after_aggregation(state.server_state, counts, number)
             sdafl_summary = {**sdafl_summary, **fedgen_summary}
         state.completed = number
-        closed = ClosedRound(rnd, closed_at, state.snapshot(self.sdafl), sdafl_summary)
+        closed = ClosedRound(rnd, closed_at, state.snapshot(self.sdafl), sdafl_summary, members)
         self._closed_state = closed.saved.global_state
         self._await_evaluation()  # round r-1's (long done, normally): its errors surface here, in order
         if self._evaluator is None:
@@ -290,6 +302,7 @@ class RoundDriver:
         log.warning("%s", verdict.describe(client_id, rnd.number))
         if verdict.action == "refused":
             rnd.refused[client_id] = verdict.describe(client_id, rnd.number)
+            self.refusals.refuse(rnd.number, client_id, rnd.refused[client_id], reason="norm")
         else:
             rnd.clipped.append(client_id)
 
@@ -309,10 +322,17 @@ class RoundDriver:
             try:
                 fold(verdict.scale)
             except (WireError, ValueError) as exc:  # checked only now that it is folded: left out, as a refused update
-                log.warning("round %d: client %d's held update could not be folded, left out: %s", rnd.number, client_id, exc)
-                del rnd.answered[client_id]
-                rnd.refused[client_id] = f"round {rnd.number}: client {client_id}'s update could not be folded: {exc}"
+                with self.lock:
+                    self._refuse_folded(rnd, client_id, f"round {rnd.number}: client {client_id}'s update could not be folded: {exc}")
         rnd.held = {}
+
+    def _refuse_folded(self, rnd: RoundInProgress, client_id: int, message: str) -> None:
+        """An update taken (its client was told so) that the fold refused: left out of the round, and named. Under the
+        lock; the aggregator raised before it changed its sums."""
+        log.warning("%s: left out of the round", message)
+        rnd.answered.pop(client_id, None)
+        rnd.refused[client_id] = message
+        self.refusals.refuse(rnd.number, client_id, message, reason="fold")
 
     def wait_for_evaluation(self, timeout_s: float | None) -> None:
         """When the run is ending anyway: let the round under test reach its checkpoint; its errors are only logged."""
@@ -369,6 +389,7 @@ class RoundDriver:
             "train_loss": _finite_mean([a["train_loss"] for a in rnd.answered.values()]),
             **closed.sdafl_summary,
             **({"federated_evaluation": figures} if figures is not None else {}),
+            **{key: value for key, value in closed.members.items() if value},
         }
         if self.cfg.train.algorithm == "ddpm":  # the federated generator: epsilon so far, and the updates' norms
             summary["privacy"] = self.algorithm.privacy_report(rnd.number, *self.participation(history=[*self.state.history, summary]))  # type: ignore[attr-defined]

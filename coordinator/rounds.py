@@ -44,6 +44,7 @@ class RoundInProgress:
     # updates accepted (answered) but still waiting for the fold thread (coordinator.update_folds), and its failures
     folding: int = 0
     fold_errors: list[str] = field(default_factory=list)
+    receiving: set[int] = field(default_factory=set)  # clients whose upload for this round is under way (one each)
     # Set once every sampled client has its task (or the round is over): the last round's test pass waits for it
     dispatched: threading.Event = field(default_factory=threading.Event)
     _sampled: frozenset[int] = field(init=False, repr=False)

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health
+from grpc_health.v1 import health, health_pb2
 
 from coordinator.data_plane import DataPlaneServer
 from coordinator.federation import Federation
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
+from coordinator.servicer import MAX_WATCHERS, SERVICE_NAME, CoordinatorServicer
 from fedsynth.wire import grpcutil, tls
 from fedsynth.config import RunConfig
 from fedsynth.wire.strict_decoding import add_strictly
@@ -78,23 +78,33 @@ def create_server(
     security = security or tls.ServerSecurity(files=None)
     credentials = security.credentials()
     federation = Federation(cfg, out_dir, metrics or CoordinatorMetrics())
-    # A dispatch stream holds a worker thread per connected client; leave room for uploads and health checks.
-    server = grpcutil.make_server(max_workers=max(16, 2 * cfg.data.clients + 8), extra_options=UPLOAD_FLOW_CONTROL_OPTIONS)
+    # A dispatch stream holds a worker thread per connected client; leave room for uploads and health checks. RPCs past
+    # the workers are refused RESOURCE_EXHAUSTED (a client retries) instead of queueing without bound behind them.
+    workers = max(16, 2 * cfg.data.clients + 8)
+    server = grpcutil.make_server(max_workers=workers, max_concurrent_rpcs=workers + MAX_WATCHERS,
+                                  extra_options=UPLOAD_FLOW_CONTROL_OPTIONS)
     servicer = CoordinatorServicer(federation, cfg.runtime.heartbeat_s)
     add_strictly(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, security.guard(servicer, CLAIMED_CLIENT_ID), server,
                  parsers={"SubmitUpdate": parsing_chunks(coordinator_pb2.UpdateChunk.FromString)})  # chunks as views: no copies
+    health_servicer = grpcutil.add_health(server, SERVICE_NAME)
+
+    def not_serving() -> None:  # the data plane's admission loop died: no transfer can start, so say so
+        for name in ("", SERVICE_NAME):
+            health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
     data_plane = None
     if cfg.runtime.data_plane == "tcp":  # shares the receive slots and buffers: two large updates at once, whichever path
         data_plane = DataPlaneServer(federation, servicer.receive_slots, host=host, port=data_port, revoked=security.revoked,
                                      tls=None if security.files is None else tls.ssl_server_context(security.files),
-                                     receive_buffers=servicer.receive_buffers)
+                                     receive_buffers=servicer.receive_buffers, on_dead=not_serving)
         federation.data_port = data_plane.port
-    health_servicer = grpcutil.add_health(server, SERVICE_NAME)
     bound = grpcutil.bind(server, f"{host}:{port}", credentials)
     server.start()
     if data_plane is not None:
         data_plane.start()
     grpcutil.set_serving(health_servicer, SERVICE_NAME)
+    if data_plane is not None and data_plane.dead:  # died before SERVING was set: on_dead's NOT_SERVING came first
+        not_serving()
     liveness_stop = threading.Event()
     threading.Thread(target=federation.check_liveness, args=(liveness_stop,), name="liveness", daemon=True).start()
     return CoordinatorServer(server, health_servicer, federation, bound, liveness_stop, data_plane), bound

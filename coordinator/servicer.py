@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -17,7 +18,7 @@ from coordinator.federation import Federation
 from coordinator.update_folds import FOLD_BACKLOG
 from coordinator.receive_slots import SLOTTED_UPLOAD_BYTES, UPLOAD_SLOTS, ReceiveSlots, UploadCancelled
 from coordinator.updates import header_fields
-from fedsynth.wire import codec
+from fedsynth.wire import codec, versions
 from coordinator.schema_check import Schema
 from fedsynth.errors import StateError, WireError
 from fedsynth.learning.evaluation import EvaluationCounts
@@ -29,6 +30,20 @@ from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "fedsynth.v1.Coordinator"
+MAX_WATCHERS = 8  # WatchRounds streams at once (the launcher's progress bar needs one): each holds a worker thread
+
+
+class _Deadline:
+    """Cancels an RPC still running `seconds` from now: the server's own deadline on an upload, whatever the sender
+    asked for (a stream that never sends its last chunk, or its header, holds a worker thread and a receive buffer)."""
+
+    def __init__(self, context: grpc.ServicerContext, seconds: float) -> None:
+        self._timer = threading.Timer(seconds, context.cancel)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def close(self) -> None:
+        self._timer.cancel()
 
 
 def _abort_for(context: grpc.ServicerContext, exc: Exception) -> None:
@@ -78,6 +93,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         # an update buffer per slot and per place in the fold backlog, reused once its update is folded (a held update
         # or one received without a slot takes fresh memory)
         self.receive_buffers = ReceiveBuffers(keep=UPLOAD_SLOTS + FOLD_BACKLOG)
+        self._watchers = threading.BoundedSemaphore(MAX_WATCHERS)
 
     def GetRunSpec(self, request: pb.GetRunSpecRequest, context: grpc.ServicerContext) -> pb.RunSpec:
         from fedsynth.config import to_json
@@ -98,6 +114,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 schema=Schema(request.schema_digest, request.image_channels, request.image_size),
                 unknown_classes=tuple(request.unknown_classes),
                 node_token=request.node_token,
+                node=versions.NodeVersion(request.fedsynth_version, request.protocol_version, request.model_layout_digest),
+                test_samples=request.test_samples,
             )
         except (WireError, StateError) as exc:
             _abort_for(context, exc)
@@ -139,6 +157,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.HeartbeatReply(connected=connected)
 
     def SubmitUpdate(self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext) -> pb.SubmitReply:
+        deadline = _Deadline(context, self.federation.upload_deadline_s())
         try:
             h = _first_header(request_iterator, "an update stream must start with an UpdateHeader")
             header = header_fields(h)
@@ -161,10 +180,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except ValueError as exc:  # e.g. the aggregator's layout checks
             self.federation.metrics.rejected_updates.labels(code="INVALID_ARGUMENT").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except grpc.RpcError:  # the sender vanished mid-stream (grpcio raises from the request iterator)
+        except grpc.RpcError:  # the sender vanished mid-stream, or its deadline passed (grpcio raises from the request iterator)
             self.federation.metrics.rejected_updates.labels(code="CANCELLED").inc()
             log.warning("an update stream broke off before its last chunk; nothing of it was aggregated")
             raise
+        finally:
+            deadline.close()
         return pb.SubmitReply(accepted=True)
 
     @staticmethod
@@ -240,6 +261,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.SetupFailureReply()
 
     def WatchRounds(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.RoundSummary]:
+        if not self._watchers.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_WATCHERS} WatchRounds streams are open already")
+        try:
+            yield from self._watch(context)
+        finally:
+            self._watchers.release()
+
+    def _watch(self, context: grpc.ServicerContext) -> Iterator[pb.RoundSummary]:
         q = self.federation.watch()
         context.add_callback(lambda: self.federation.unwatch(q))
         total = self.federation.cfg.train.rounds

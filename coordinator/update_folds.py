@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from coordinator.rounds import RoundInProgress
-from fedsynth.errors import StateError
+from fedsynth.errors import StateError, WireError
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +29,10 @@ class UpdateFolds:
     """One fold thread for the coordinator; `lock` is the federation's (a fold runs under it, as the round's
     bookkeeping does)."""
 
-    def __init__(self, lock: threading.Condition, backlog: int = FOLD_BACKLOG) -> None:
+    def __init__(self, lock: threading.Condition, backlog: int = FOLD_BACKLOG,
+                 refuse: Callable[[RoundInProgress, int, str], None] | None = None) -> None:
         self.lock = lock
+        self.refuse = refuse  # (round, client, why): an update the fold refused, left out of the round (under the lock)
         self._places = threading.BoundedSemaphore(backlog)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="fold")
 
@@ -53,7 +55,13 @@ class UpdateFolds:
                 started = time.monotonic()
                 try:
                     fold()
-                except Exception as exc:  # checked before it was accepted, so a bug; the sum may hold part of it
+                except (WireError, ValueError) as exc:  # the aggregator's checks, which raise before the sum changes
+                    message = f"round {rnd.number}: client {client_id}'s update could not be folded: {exc}"
+                    if self.refuse is None:
+                        rnd.fold_errors.append(message)
+                    else:
+                        self.refuse(rnd, client_id, message)
+                except Exception as exc:  # a bug past the checks: the sum may hold part of the update
                     log.exception("round %d: client %d's update could not be folded", rnd.number, client_id)
                     rnd.fold_errors.append(f"client {client_id}: {type(exc).__name__}: {exc}")
                 rnd.aggregation_s += time.monotonic() - started

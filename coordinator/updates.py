@@ -3,6 +3,7 @@ validated against the global model's layout in the run's wire dtype."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -26,40 +27,69 @@ class ReceivedUpdate:
     deltas: bool = False
 
 
+@dataclass(frozen=True)
+class UpdateLayout:
+    """Everything an update may hold: the model's tensors and the algorithm's extras (fedsynth.algorithms.base
+    .extra_layout), both in the wire dtype, and the longest safetensors header that describes them."""
+
+    model: codec.Layout
+    extra: codec.Layout
+    max_header_bytes: int
+
+
+def update_layout(model: codec.Layout, extra: codec.Layout) -> UpdateLayout:
+    """The layout, with room for twice the header an encoder of it writes (names, dtypes, shapes, 20-digit offsets):
+    a longer header is refused before it is parsed, whatever it holds (150,000 empty entries, or JSON nested 100,000
+    deep, are ~1 MB and would cost seconds and hundreds of MB to expand)."""
+    entry = '"{}/{}":{{"dtype":"BF16","shape":{},"data_offsets":[{},{}]}},'
+    size = sum(len(entry.format(group, name, list(shape), 10**19, 10**19))
+               for group, layout in (("model", model), ("extra", extra)) for name, (shape, _) in layout.items())
+    return UpdateLayout(model, extra, max_header_bytes=2 * size + 4096)
+
+
 def receive_update(
     meta: codec.PayloadMeta,
     chunks: Iterable[tuple[int, bytes]],
     *,
     max_bytes: int,
-    layout: codec.Layout,
+    layout: UpdateLayout,
     client_id: int,
     wire: str = "float32",
 ) -> ReceivedUpdate:
     """A verified update, or a WireError naming what is wrong; nothing is aggregated here.
 
-    `layout` is the global model's in the wire dtype (`wire_dtype.expected_layout`): every floating-point tensor must
-    arrive in the `wire` dtype exactly (a float32 update where float16 is configured is refused, and the reverse) and
-    finite (a float16 overflow is inf)."""
+    `layout` holds the global model's and the algorithm's extras in the wire dtype (`wire_dtype.expected_layout`):
+    every floating-point tensor must arrive in the `wire` dtype exactly (a float32 update where float16 is configured is
+    refused, and the reverse) and finite (a float16 overflow is inf); every integer tensor in its own dtype."""
     return decode_update(receive_into(meta, chunks, max_bytes=max_bytes), layout=layout, client_id=client_id, wire=wire)
 
 
-def decode_update(buffer: torch.Tensor, *, layout: codec.Layout, client_id: int, wire: str = "float32") -> ReceivedUpdate:
-    """`receive_update` for a buffer already received and verified (the data plane's, or the gRPC chunks')."""
-    groups = codec.split_prefixed(decode_views(buffer))
+def decode_update(buffer: torch.Tensor, *, layout: UpdateLayout, client_id: int, wire: str = "float32") -> ReceivedUpdate:
+    """`receive_update` for a buffer already received and verified (the data plane's, or the gRPC chunks'): the
+    whole update against the model's and the extras' layouts, before anyone is told it was taken."""
+    groups = codec.split_prefixed(decode_views(buffer, max_header_bytes=layout.max_header_bytes))
     unknown = sorted(set(groups) - {"model", "extra"})
     if unknown:
         raise WireError(f"update carries unknown tensor groups {unknown}")
     state, extra = groups.get("model", {}), groups.get("extra", {})
-    codec.check_like(state, layout, what=f"update from client {client_id}")
-    expected = wire_dtype.torch_dtype(wire)
-    floats = [tensor for tensor in extra.values() if tensor.is_floating_point()]
-    if any(tensor.dtype != expected for tensor in floats) or not codec.all_finite_many(floats):
-        for name, tensor in extra.items():  # a refused update only: name its first defect
-            if tensor.is_floating_point() and tensor.dtype != expected:
-                raise WireError(f"update from client {client_id}: extra tensor {name!r} has dtype {tensor.dtype}, expected {expected}")
-            if tensor.is_floating_point() and not codec.all_finite(tensor):
-                raise WireError(f"update: extra tensor {name!r} contains NaN or Inf")
+    codec.check_like(state, layout.model, what=f"update from client {client_id}")
+    codec.check_like(extra, layout.extra, what=f"update from client {client_id}: extra tensors")
     return ReceivedUpdate(state, extra, buffer.numel(), deltas=wire_dtype.sends_deltas(wire))
+
+
+def check_integer_moves(update: ReceivedUpdate, global_state: dict[str, torch.Tensor], *, max_steps: int, client_id: int) -> None:
+    """Integer tensors are counters a round of local training moves forward a bounded amount: BatchNorm's
+    num_batches_tracked by at most `max_steps` (one per training forward pass), any other integer tensor not at all.
+    WireError naming the tensor otherwise (SCAFFOLD once folded an int64 of 2^62 into its control variate)."""
+    for name, value in update.state.items():
+        if value.is_floating_point():
+            continue
+        moved = value.to(torch.int64) - global_state[name].to(torch.int64)
+        low, high = (int(moved.min()), int(moved.max())) if moved.numel() else (0, 0)
+        limit = max_steps if name.endswith("num_batches_tracked") else 0
+        if low < 0 or high > limit:
+            raise WireError(f"update from client {client_id}: integer tensor {name!r} moved by {low if low < 0 else high} "
+                            f"in one round; at most {limit} (a round's training steps) is possible")
 
 
 def local_state(update: ReceivedUpdate, global_state: dict[str, torch.Tensor], keys: list[str] | None = None) -> dict[str, torch.Tensor]:
@@ -69,6 +99,19 @@ def local_state(update: ReceivedUpdate, global_state: dict[str, torch.Tensor], k
     if update.deltas:
         return wire_dtype.absolute(update.state, global_state, keys)
     return update.state if keys is None else {key: update.state[key] for key in keys}
+
+
+def check_reports(header: dict[str, Any], *, client_id: int) -> None:
+    """The numbers a client reports beside its update, which go into report.json: times finite and >= 0, its training
+    loss finite (NaN: no step taken). WireError naming the field otherwise."""
+    times = {"train_seconds": header["train_seconds"]}
+    if header["generation"]:
+        times["generation.wall_seconds"] = header["generation"]["wall_seconds"]
+    for name, value in times.items():
+        if not math.isfinite(value) or value < 0:
+            raise WireError(f"update from client {client_id}: {name} = {value!r}; must be a finite number >= 0")
+    if math.isinf(header["train_loss"]):
+        raise WireError(f"update from client {client_id}: train_loss = {header['train_loss']!r}; must be finite (or NaN: no step)")
 
 
 def header_fields(h: Any) -> dict[str, Any]:

@@ -38,7 +38,8 @@ from fedsynth.generation.generator_names import (
 from fedsynth.learning.label_schema import SCHEMA_FILE, read_schema_file, schema_of
 from fedsynth.learning.partition import check_partition
 from fedsynth.process.provenance import provenance
-from fedsynth.process.runtime import EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED, setup_logging, write_json
+from fedsynth.process.runtime import (EXIT_ERROR, EXIT_INCOMPLETE, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, setup_logging,
+                                     write_json)
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -383,6 +384,8 @@ def run(args: argparse.Namespace) -> int:
     )
     report["failures"] = launcher.failures
     report["exit_code"] = code if code else (0 if success else EXIT_ERROR)
+    if report["exit_code"] == EXIT_OK and (launcher.failures or report["excluded_clients"]):
+        report["exit_code"], report["success"] = EXIT_INCOMPLETE, False  # completed, but not with all its clients
     write_json(out_dir / "report.json", report)
     from deploy.report_render import render_report  # matplotlib loads only here
     render_report(out_dir)  # report.md and plots/ beside report.json
@@ -392,7 +395,12 @@ def run(args: argparse.Namespace) -> int:
             report["final_accuracy"], min(LAST_N, len(report["rounds"])), report["last20_mean_accuracy"],
             report["generation"]["total_images"], report["wall_clock_s"], out_dir / "report.json",
         )
-    if launcher.failures:
+    if report["exit_code"] == EXIT_INCOMPLETE:
+        left = sorted({e["client"] for e in report["excluded_clients"]})
+        failed = ", ".join(f"{f['process']} (exit {f['exit_code']})" for f in launcher.failures)
+        log.error("run completed without some clients: %s%s%s; exit %d, see report.json", f"excluded {left}" if left else "",
+                  "; " if left and failed else "", f"failed {failed}" if failed else "", EXIT_INCOMPLETE)
+    elif launcher.failures:
         first = launcher.failures[0]
         log.error("run failed: %s (pid %s) exited with code %s; see %s and report.json", first["process"], first["pid"],
                   first["exit_code"], first["log"])

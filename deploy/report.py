@@ -83,6 +83,10 @@ def build_report(
         "sdafl": sdafl or None,
         # the federated generator's differential privacy: dp, epsilon, delta, noise_multiplier, clip, sample_rate
         "privacy": coordinator.get("privacy"),
+        # untrusted members (docs/security.md): every refused update {round, client, reason, message}, and the clients
+        # excluded after runtime.max_refusals refusals in a row {client, round, reason}
+        "refused_updates": coordinator.get("refused_updates", []),
+        "excluded_clients": coordinator.get("excluded_clients", []),
         "wall_clock_s": wall_clock_s,
         "phases_s": phases,
         "bytes": {

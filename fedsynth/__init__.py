@@ -1,3 +1,3 @@
 """fedsynth: the shared library that every fedsynth process (coordinator, client node, generator) imports."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

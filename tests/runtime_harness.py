@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import subprocess
@@ -16,7 +17,11 @@ import grpc
 from coordinator import checkpoint
 from deploy.processes import Child, ProcessGroup, fedsynth_command, wait_for_file
 from fedsynth.wire import grpcutil
-from fedsynth.config import RunConfig, load_config
+from fedsynth.assembly import model_for
+from fedsynth.config import RunConfig, from_json, load_config
+from fedsynth.learning.data import load_dataset
+from fedsynth.learning.label_schema import schema_of
+from fedsynth.wire import versions
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -34,6 +39,25 @@ BASE_SETTINGS: dict[str, Any] = {
     "runtime.rejoin_grace_s": 5.0,
     "runtime.heartbeat_s": 1.0,
 }
+
+
+@functools.lru_cache(maxsize=8)
+def _model_fields(config_json: str) -> tuple[tuple[str, object], ...]:
+    cfg = from_json(config_json)
+    schema = schema_of(cfg.data)
+    if cfg.data.source == "local" and schema is not None:
+        classes, channels, size = len(schema.classes), schema.channels, schema.image_size
+    else:
+        test = load_dataset(cfg.data.dataset, "test", data_dir=cfg.data.data_dir)
+        classes, (channels, size, _) = test.num_classes, test.image_shape
+    model = model_for(cfg, num_classes=classes, in_channels=channels, image_size=size)
+    return tuple(versions.registration_fields(model.state_dict()).items())
+
+
+def register_request(spec: pb.RunSpec, **fields: Any) -> pb.RegisterRequest:
+    """A RegisterRequest for the run `spec` describes, as this release's client node sends it: its release, protocol and
+    model layout digest beside `fields`."""
+    return pb.RegisterRequest(run_id=spec.run_id, **dict(_model_fields(spec.config_json)), **fields)
 
 
 def overrides(settings: dict[str, Any]) -> list[str]:

@@ -18,7 +18,8 @@ from deploy.processes import Child
 from runtime_harness import Runtime, read_record, wait_exit
 
 SCALED_CLIENT = Path(__file__).resolve().parent / "scaled_update_client.py"
-RUN: dict[str, Any] = {"seed": 5, "data.clients": 4, "train.rounds": 10, "train.local_epochs": 1}
+# runtime.max_refusals 0: the refused client stays in the run every round (exclusion: tests/adversarial)
+RUN: dict[str, Any] = {"seed": 5, "data.clients": 4, "train.rounds": 10, "train.local_epochs": 1, "runtime.max_refusals": 0}
 BAD = 3  # the client whose updates are scaled
 AUTO = {"runtime.max_update_norm": "auto"}  # the defaults: 10 x the round's median norm, refused past it
 # Digits' 360 test images, runs that differ in one client's updates (measured: 0.03 apart at 6 rounds)

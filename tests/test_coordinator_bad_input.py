@@ -1,4 +1,7 @@
-"""Malformed and out-of-place updates sent over real gRPC to a coordinator process: refused by name, model untouched."""
+"""Malformed and out-of-place updates sent over real gRPC to a coordinator process: refused by name, model untouched.
+
+A refused update is its sender's answer to the round (it takes no second try), so each case speaks for a client of its
+own, all registered and holding the task of round 1; client 0 sends the valid updates."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -17,11 +21,9 @@ from fedsynth.wire import codec
 from fedsynth.wire.transfer import receive_inline
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
-from runtime_harness import Runtime, channel, wait_until
+from runtime_harness import Runtime, channel, read_record, register_request, wait_until
 
-# One client (this test) and two rounds: the run ends only when the test sends two valid updates.
-SETTINGS = {"data.clients": 1, "train.rounds": 2, "runtime.round_timeout_s": 120.0, "runtime.rejoin_grace_s": 30.0}
-CLIENT_ID = 0
+CLIENT_ID = 0  # the client that sends the valid updates
 RPC_TIMEOUT_S = 20.0
 SMALL_CHUNK = 64 * 1024  # several chunks per payload, so order and count can be broken
 StateDict = dict[str, torch.Tensor]
@@ -38,6 +40,10 @@ class OpenRound:
     task: pb.Task
     payload: bytes
     out_dir: Path
+    sessions: dict[int, str]  # every client's
+    others: list[Any]  # the dispatch streams of the clients the cases speak for
+    sent: set[str]  # the cases sent so far (each once: its client's round is over after it)
+    speaker: int = CLIENT_ID  # the client the next update speaks for
 
     @property
     def model(self) -> StateDict:
@@ -72,13 +78,19 @@ def open_round(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenRound]:
         with channel(coord.address) as ch:
             stub = pb_grpc.CoordinatorStub(ch)
             spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=RPC_TIMEOUT_S, wait_for_ready=True)
-            register = pb.RegisterRequest(client_id=CLIENT_ID, num_samples=100, run_id=spec.run_id)
+            register = register_request(spec, client_id=CLIENT_ID, num_samples=100)
             stale = stub.Register(register, timeout=RPC_TIMEOUT_S).session
             session = stub.Register(register, timeout=RPC_TIMEOUT_S).session  # supersedes the first session
+            sessions = {CLIENT_ID: session}
+            for client in range(1, CLIENTS):
+                sessions[client] = stub.Register(register_request(spec, client_id=client, num_samples=100), timeout=RPC_TIMEOUT_S).session
+            others = [stub.Subscribe(pb.SubscribeRequest(client_id=c, session=sessions[c]), timeout=300) for c in range(1, CLIENTS)]
             stream = stub.Subscribe(pb.SubscribeRequest(client_id=CLIENT_ID, session=session), timeout=300)
             task, payload = receive_task(stream)
-            yield OpenRound(stub, stream, session, stale, task, payload, root / "run")
+            yield OpenRound(stub, stream, session, stale, task, payload, root / "run", sessions, others, set())
             stream.cancel()
+            for other in others:
+                other.cancel()
 
 
 # ---- building update streams ---------------------------------------------------------------------
@@ -86,9 +98,10 @@ def open_round(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenRound]:
 
 def header(rnd: OpenRound, data: bytes, **changes: object) -> pb.UpdateHeader:
     meta = codec.describe(data)
+    client = int(changes.get("client_id", rnd.speaker))  # type: ignore[call-overload]
     fields: dict[str, object] = {
-        "client_id": CLIENT_ID,
-        "session": rnd.session,
+        "client_id": client,
+        "session": rnd.sessions.get(client, rnd.session),
         "round": rnd.task.round,
         "task_id": rnd.task.task_id,
         "payload": pb.Payload(total_bytes=meta.total_bytes, sha256=meta.sha256, num_chunks=meta.num_chunks),
@@ -156,7 +169,7 @@ CASES: dict[str, tuple[Callable[[OpenRound], list[pb.UpdateChunk]], grpc.StatusC
     "unknown group": (lambda r: stream_of(r, encoded(r.model, spare={"x": torch.zeros(2)})), INVALID, "unknown tensor groups ['spare']"),
     "unknown round": (lambda r: stream_of(r, valid(r), round=7), PRECONDITION, "update for round 7"),
     "unknown task id": (lambda r: stream_of(r, valid(r), task_id="feedfacefeedface"), PRECONDITION, "(task feedface)"),
-    "unregistered client": (lambda r: stream_of(r, valid(r), client_id=5), PRECONDITION, "client 5 is not registered"),
+    "unregistered client": (lambda r: stream_of(r, valid(r), client_id=500), PRECONDITION, "client 500 is not registered"),
     "stale session": (lambda r: stream_of(r, valid(r), session=r.stale_session), PRECONDITION, "session is stale"),
     "chunks out of order": (lambda r: reorder(stream_of(r, valid(r))), INVALID, "chunk 1 arrived where chunk 0 was expected"),
     "bad sha256": (lambda r: stream_of(r, valid(r), payload=payload_meta(len(valid(r)))), INVALID, "does not match the announced 000000000000"),
@@ -190,14 +203,29 @@ CASES: dict[str, tuple[Callable[[OpenRound], list[pb.UpdateChunk]], grpc.StatusC
 }
 
 
+CASE_CLIENT = {name: client for client, name in enumerate(CASES, start=1)}
+CLIENTS = len(CASES) + 1
+# Every client sampled; a round closes with client 0's answer alone once the others were refused (or, in round 2, left).
+SETTINGS = {"data.clients": CLIENTS, "data.partition": "iid", "train.rounds": 2, "runtime.quorum": 0.01,
+            "runtime.round_timeout_s": 120.0, "runtime.rejoin_grace_s": 1.0}
+
+
 def submit(rnd: OpenRound, messages: list[pb.UpdateChunk]) -> pb.SubmitReply:
     return rnd.stub.SubmitUpdate(iter(messages), timeout=RPC_TIMEOUT_S)
 
 
 def assert_refused(rnd: OpenRound, name: str) -> None:
+    """Send the case once, from its own client."""
+    if name in rnd.sent:
+        return
+    rnd.sent.add(name)
     build, code, text = CASES[name]
-    with pytest.raises(grpc.RpcError) as refused:
-        submit(rnd, build(rnd))
+    rnd.speaker = CASE_CLIENT[name]
+    try:
+        with pytest.raises(grpc.RpcError) as refused:
+            submit(rnd, build(rnd))
+    finally:
+        rnd.speaker = CLIENT_ID
     assert refused.value.code() == code, f"{name}: {refused.value.code()} {refused.value.details()}"
     assert text in refused.value.details(), f"{name}: {refused.value.details()!r} does not name the problem ({text!r})"
 
@@ -215,6 +243,8 @@ def test_refused_updates_leave_the_global_model_unchanged(open_round: OpenRound)
     before = open_round.model
     shifted = {key: value + 0.5 for key, value in before.items()}  # every value moves, exactly representable
     assert submit(open_round, inline_of(open_round, encoded(shifted))).accepted
+    for other in open_round.others:  # the clients of cases refused before their round was known never answer: gone
+        other.cancel()
 
     # With one client, the next global model is exactly its update: nothing refused was folded in.
     task, payload = receive_task(open_round.stream)
@@ -226,7 +256,7 @@ def test_refused_updates_leave_the_global_model_unchanged(open_round: OpenRound)
         assert torch.equal(round_two[key], value), key
         assert torch.equal(saved.global_state[key], value), key
 
-    # A second answer to round 1 is refused too; the round-2 answer ends the run.
+    # A second answer to round 1 is refused too; the others leave, and the round-2 answer ends the run.
     with pytest.raises(grpc.RpcError) as late:
         submit(open_round, stream_of(open_round, encoded(shifted)))
     assert late.value.code() == PRECONDITION and "update for round 1" in late.value.details()
@@ -234,3 +264,11 @@ def test_refused_updates_leave_the_global_model_unchanged(open_round: OpenRound)
     assert submit(open_round, stream_of(open_round, encoded(round_two))).accepted
     finished = [m.finished for m in open_round.stream if m.WhichOneof("kind") == "finished"]
     assert finished and finished[0].success
+
+    # Each refused answer to round 1 is named in the run's record, with its client.
+    record = wait_until(lambda: (open_round.out_dir / "coordinator.json").is_file() and read_record(open_round.out_dir),
+                        timeout_s=30, what="coordinator.json")
+    named = {(entry["round"], entry["client"]) for entry in record["refused_updates"]}
+    for name, (_, code, _) in CASES.items():
+        if code == INVALID and name not in ("no header", "empty stream", "second header"):  # no header: nobody to name
+            assert (1, CASE_CLIENT[name]) in named, name

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -22,7 +23,7 @@ from fedsynth.errors import WireError
 from fedsynth.wire.tensor_buffer import decode_views, encode_parts, encode_to_buffer
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
-from runtime_harness import Runtime, channel, wait_until
+from runtime_harness import Runtime, channel, wait_until, register_request
 
 TCP = {"runtime.data_plane": "tcp", "runtime.data_plane_min_bytes": 0}  # the small CNN's 0.2 MB go by the data plane too
 RPC_TIMEOUT_S = 20.0
@@ -126,7 +127,9 @@ def test_only_unavailable_is_retried() -> None:
 
 @dataclass
 class OpenRound:
-    """Client 0's registered session and its round-1 task, fetched over the data plane as a real client does."""
+    """Client 0's registered session and its round-1 task, fetched over the data plane as a real client does. A refused
+    update is its sender's answer to the round, so each bad transfer speaks for a client of its own (`speaker`), holding
+    its own task (and ticket) of round 1."""
 
     stream: Iterator[pb.ServerMessage]
     session: str
@@ -135,6 +138,15 @@ class OpenRound:
     task: pb.Task
     model: StateDict
     out_dir: Path
+    sessions: dict[int, str]
+    tasks: dict[int, pb.Task]
+    others: list[Any]  # the other clients' dispatch streams
+    sent: set[str]
+    speaker: int = 0
+
+    @property
+    def ticket(self) -> bytes:
+        return self.task.data_ticket if self.speaker == 0 else self.tasks[self.speaker].data_ticket
 
 
 def next_task(stream: Iterator[pb.ServerMessage], endpoint: data_plane.Endpoint) -> tuple[pb.Task, StateDict]:
@@ -147,32 +159,42 @@ def next_task(stream: Iterator[pb.ServerMessage], endpoint: data_plane.Endpoint)
 @pytest.fixture(scope="module")
 def open_round(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenRound]:
     root = tmp_path_factory.mktemp("data-plane")
-    settings = {**TCP, "data.clients": 1, "train.rounds": 2, "runtime.round_timeout_s": 120.0, "runtime.rejoin_grace_s": 30.0}
+    # every client sampled; a round closes with client 0's answer alone once the others were refused (or left)
+    settings = {**TCP, "data.clients": CLIENTS, "data.partition": "iid", "train.rounds": 2, "runtime.quorum": 0.01,
+                "runtime.round_timeout_s": 120.0, "runtime.rejoin_grace_s": 1.0}
     with Runtime(root) as rt:
         coord = rt.coordinator(settings, root / "run")
         with channel(coord.address) as ch:
             stub = pb_grpc.CoordinatorStub(ch)
             spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=RPC_TIMEOUT_S, wait_for_ready=True)
-            register = pb.RegisterRequest(client_id=0, num_samples=100, run_id=spec.run_id)
+            register = register_request(spec, client_id=0, num_samples=100)
             stale = stub.Register(register, timeout=RPC_TIMEOUT_S).session
             reply = stub.Register(register, timeout=RPC_TIMEOUT_S)
             assert reply.data_port > 0
+            sessions = {c: stub.Register(register_request(spec, client_id=c, num_samples=100), timeout=RPC_TIMEOUT_S).session
+                        for c in range(1, CLIENTS)}
+            others = {c: stub.Subscribe(pb.SubscribeRequest(client_id=c, session=sessions[c]), timeout=300) for c in sessions}
+            tasks = {c: next(m.task for m in other if m.WhichOneof("kind") == "task") for c, other in others.items()}
             endpoint = data_plane.Endpoint("127.0.0.1", reply.data_port)
             stream = stub.Subscribe(pb.SubscribeRequest(client_id=0, session=reply.session), timeout=300)
             task, model = next_task(stream, endpoint)
-            yield OpenRound(stream, reply.session, stale, endpoint, task, model, root / "run")
+            yield OpenRound(stream, reply.session, stale, endpoint, task, model, root / "run", {0: reply.session, **sessions},
+                            tasks, list(others.values()), set())
             stream.cancel()
+            for other in others.values():
+                other.cancel()
 
 
 def header(rnd: OpenRound, size: int, **changes: object) -> bytes:
-    fields: dict[str, object] = {"client_id": 0, "session": rnd.session, "round": rnd.task.round, "task_id": rnd.task.task_id,
+    task = rnd.task if rnd.speaker == 0 else rnd.tasks[rnd.speaker]
+    fields: dict[str, object] = {"client_id": rnd.speaker, "session": rnd.sessions[rnd.speaker], "round": task.round, "task_id": task.task_id,
                                  "payload": pb.Payload(total_bytes=size), "train_seconds": 0.1, "train_loss": 1.0}
     return pb.UpdateHeader(**{**fields, **changes}).SerializeToString()
 
 
 def submit(rnd: OpenRound, model: StateDict, **changes: object) -> None:
     payload = encode_to_buffer(codec.join_prefixed(model=model))
-    data_plane.submit(rnd.endpoint, rnd.task.data_ticket, header(rnd, payload.numel(), **changes), payload, timeout_s=RPC_TIMEOUT_S)
+    data_plane.submit(rnd.endpoint, rnd.ticket, header(rnd, payload.numel(), **changes), payload, timeout_s=RPC_TIMEOUT_S)
 
 
 def changed(rnd: OpenRound, key: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> StateDict:
@@ -198,7 +220,7 @@ def raw_exchange(rnd: OpenRound, request: bytes, after_go: bytes | None = None) 
 
 
 def submit_request(rnd: OpenRound, header_bytes: bytes, ticket: bytes | None = None) -> bytes:
-    ticket = rnd.task.data_ticket if ticket is None else ticket
+    ticket = rnd.ticket if ticket is None else ticket
     return struct.pack("<4sB16sI", data_plane.MAGIC, data_plane.SUBMIT, ticket, len(header_bytes)) + header_bytes
 
 
@@ -229,7 +251,7 @@ case("NaN values", INVALID, "'classifier.bias' contains NaN")(lambda r: submit(r
 case("missing tensor", INVALID, "missing tensors ['classifier.bias']")(
     lambda r: submit(r, {k: v for k, v in r.model.items() if k != "classifier.bias"}))
 case("stale session", PRECONDITION, "session is stale")(lambda r: submit(r, r.model, session=r.stale_session))
-case("another client's header", DENIED, "the update names client 5")(lambda r: submit(r, r.model, client_id=5))
+case("another client's header", DENIED, "the update names client 500")(lambda r: submit(r, r.model, client_id=500))
 case("another task's header", DENIED, "task 'feedface'")(lambda r: submit(r, r.model, task_id="feedfacefeedface"))
 case("unknown ticket", PRECONDITION, "unknown data-plane ticket")(
     lambda r: data_plane.fetch(r.endpoint, b"\x01" * 16, timeout_s=RPC_TIMEOUT_S))
@@ -250,9 +272,21 @@ CASES["garbage payload"] = (
     INVALID, "payload is not valid safetensors")
 
 
+CASE_CLIENT = {name: client for client, name in enumerate(CASES, start=1)}
+CLIENTS = len(CASES) + 1
+
+
 def assert_refused(rnd: OpenRound, name: str) -> None:
+    """Send the case once, from its own client."""
+    if name in rnd.sent:
+        return
+    rnd.sent.add(name)
     send, code, text = CASES[name]
-    got, message = send(rnd)
+    rnd.speaker = CASE_CLIENT[name]
+    try:
+        got, message = send(rnd)
+    finally:
+        rnd.speaker = 0
     assert got == code, f"{name}: {got} {message}"
     assert text in message, f"{name}: {message!r} does not name the problem ({text!r})"
 
@@ -269,6 +303,8 @@ def test_refused_transfers_leave_the_global_model_unchanged(open_round: OpenRoun
         assert_refused(open_round, name)
     shifted = {key: value + 0.5 for key, value in open_round.model.items()}  # every value moves, exactly representable
     submit(open_round, shifted)
+    for other in open_round.others:  # the clients of cases refused before their round was known never answer: gone
+        other.cancel()
 
     # With one client, the next global model is exactly its update: nothing refused was folded in.
     task, round_two = next_task(open_round.stream, open_round.endpoint)

@@ -19,7 +19,7 @@ from fedsynth.errors import WireError
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 from fedsynth.wire import data_plane
-from runtime_harness import Runtime, channel
+from runtime_harness import Runtime, channel, register_request
 
 RPC_TIMEOUT_S = 20.0
 # ResNet-18's 45 MB: far more than the loopback socket buffers hold, so a fetch whose reader waits stays under way
@@ -39,7 +39,7 @@ def ticket(tmp_path: Path) -> Iterator[tuple[data_plane.Endpoint, bytes]]:
         with channel(coord.address) as ch:
             stub = pb_grpc.CoordinatorStub(ch)
             spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=RPC_TIMEOUT_S, wait_for_ready=True)
-            reply = stub.Register(pb.RegisterRequest(client_id=0, num_samples=100, run_id=spec.run_id), timeout=RPC_TIMEOUT_S)
+            reply = stub.Register(register_request(spec, client_id=0, num_samples=100), timeout=RPC_TIMEOUT_S)
             stream = stub.Subscribe(pb.SubscribeRequest(client_id=0, session=reply.session), timeout=300)
             task = next(m.task for m in stream if m.WhichOneof("kind") == "task")
             yield data_plane.Endpoint("127.0.0.1", reply.data_port), task.data_ticket

@@ -24,7 +24,7 @@ from fedsynth.learning.training import images_to_tensor
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 from fedsynth.wire import codec
-from runtime_harness import Runtime, channel, read_record, wait_until
+from runtime_harness import Runtime, channel, read_record, wait_until, register_request
 
 SETTINGS = [
     "seed=3", "data.clients=4", "train.rounds=3", "train.local_epochs=1", "generation.policy=none",
@@ -145,7 +145,7 @@ def test_counts_that_do_not_add_up_are_refused_by_name_and_a_vanished_evaluator_
             spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=RPC_TIMEOUT_S, wait_for_ready=True)
             sessions, streams, tasks = {}, {}, {}
             for k in (0, 1):  # this test plays both clients
-                register = pb.RegisterRequest(client_id=k, num_samples=100, run_id=spec.run_id)
+                register = register_request(spec, client_id=k, num_samples=100, test_samples=10)
                 sessions[k] = stub.Register(register, timeout=RPC_TIMEOUT_S).session
                 streams[k] = stub.Subscribe(pb.SubscribeRequest(client_id=k, session=sessions[k]), timeout=240)
             for k in (0, 1):

@@ -12,7 +12,7 @@ import pytest
 
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
-from runtime_harness import Runtime, channel
+from runtime_harness import Runtime, channel, register_request
 
 
 @pytest.mark.slow
@@ -23,7 +23,7 @@ def test_bad_label_counts_are_refused_by_name_and_register_nothing(runtime: Runt
         spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=60, wait_for_ready=True)
 
         def register(counts: list[int], num_samples: int = 10) -> pb.RegisterReply:
-            return stub.Register(pb.RegisterRequest(client_id=1, num_samples=num_samples, run_id=spec.run_id, label_counts=counts), timeout=30)
+            return stub.Register(register_request(spec, client_id=1, num_samples=num_samples, label_counts=counts), timeout=30)
 
         invalid, failed = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
         cases = {

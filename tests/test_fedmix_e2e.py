@@ -21,7 +21,7 @@ from fedsynth.wire.tensor_buffer import decode_views
 from fedsynth.wire.transfer import receive_inline
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
-from runtime_harness import Runtime, channel
+from runtime_harness import Runtime, channel, register_request
 
 N_K = 50  # what the test's clients register: floor(50 / 5) = 10 means each
 M = 5
@@ -69,7 +69,7 @@ def test_bad_mean_data_uploads_are_refused_by_name_and_never_enter_the_pool(runt
     with channel(coordinator.address) as ch:
         stub = pb_grpc.CoordinatorStub(ch)
         spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=60, wait_for_ready=True)
-        register = lambda k: stub.Register(pb.RegisterRequest(client_id=k, num_samples=N_K, run_id=spec.run_id), timeout=30)  # noqa: E731
+        register = lambda k: stub.Register(register_request(spec, client_id=k, num_samples=N_K), timeout=30)  # noqa: E731
         stale = register(1).session
         reply = register(1)
         assert reply.mean_data_wanted

@@ -19,7 +19,7 @@ from fedsynth.learning.data import load_dataset
 from fedsynth.learning.training import TrainData, evaluate, images_to_tensor
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
-from runtime_harness import Runtime, read_record, wait_exit
+from runtime_harness import Runtime, read_record, wait_exit, register_request
 
 SPLIT_FLAGS = ["--dataset", "digits", "--alpha", "0.1", "--seed", "3", "--holdout-fraction", "0.1"]
 RUN = ["data.clients=4", "seed=3", "data.holdout_fraction=0.1", "train.rounds=3", "train.local_epochs=1",
@@ -139,7 +139,7 @@ def test_a_second_node_claiming_a_live_client_id_is_refused_and_a_reconnect_is_n
     spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=60, wait_for_ready=True)
 
     def register(token: str) -> pb.RegisterReply:
-        return stub.Register(pb.RegisterRequest(client_id=0, num_samples=10, run_id=spec.run_id, node_token=token), timeout=30)
+        return stub.Register(register_request(spec, client_id=0, num_samples=10, node_token=token), timeout=30)
 
     first = register("node-a")
     with pytest.raises(grpc.RpcError) as caught:

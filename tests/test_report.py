@@ -11,6 +11,8 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
+from fedsynth import __version__ as FEDSYNTH_VERSION
+
 PLOTS = ("accuracy.png", "phases.png", "bytes.png", "generation.png")
 
 
@@ -91,7 +93,7 @@ def test_report_and_coordinator_record_say_what_made_the_run(run_dir: Path) -> N
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PACKAGE_DIR, capture_output=True, text=True, check=False)
     for name in ("report.json", "coordinator.json"):
         version = json.loads((run_dir / name).read_text())["version"]
-        assert version["fedsynth"] == "0.1.0", name
+        assert version["fedsynth"] == FEDSYNTH_VERSION, name
         assert version["python"] == ".".join(map(str, sys.version_info[:3])), name
         assert set(version["packages"]) == {"torch", "grpcio", "diffusers", "opacus"}, name
         assert version["packages"]["torch"] and version["packages"]["grpcio"], name

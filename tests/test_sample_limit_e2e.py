@@ -9,7 +9,7 @@ import pytest
 from fedsynth.assembly import client_shard
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
-from runtime_harness import Runtime, channel, config, wait_exit
+from runtime_harness import Runtime, channel, config, wait_exit, register_request
 
 SETTINGS = {"seed": 5, "data.clients": 2, "runtime.registration_timeout_s": 120.0}
 
@@ -26,7 +26,7 @@ def test_a_client_above_the_sample_limit_is_refused_at_registration(runtime: Run
         stub = pb_grpc.CoordinatorStub(ch)
         spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=30, wait_for_ready=True)
         with pytest.raises(grpc.RpcError) as refused:
-            stub.Register(pb.RegisterRequest(client_id=small, num_samples=limit + 1, run_id=spec.run_id), timeout=30)
+            stub.Register(register_request(spec, client_id=small, num_samples=limit + 1), timeout=30)
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert refused.value.details() == (f"client {small} registered N_k={limit + 1} samples, above "
                                            f"data.max_samples_per_client={limit}: refused")

@@ -20,7 +20,7 @@ from fedsynth.learning.data import load_dataset
 from fedsynth.wire.transfer import receive_inline
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
-from runtime_harness import Runtime, channel, config, read_record, wait_exit
+from runtime_harness import Runtime, channel, config, read_record, wait_exit, register_request
 
 SDAFL: dict[str, object] = {
     "data.clients": 3,
@@ -99,7 +99,7 @@ def test_bad_uploads_are_refused_and_never_enter_the_synthetic_set(runtime: Runt
     with channel(coordinator.address) as ch:
         stub = pb_grpc.CoordinatorStub(ch)
         spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=60, wait_for_ready=True)
-        reply = stub.Register(pb.RegisterRequest(client_id=1, num_samples=50, run_id=spec.run_id), timeout=30)
+        reply = stub.Register(register_request(spec, client_id=1, num_samples=50), timeout=30)
         good = np.random.default_rng(0).integers(0, 256, size=(7, 8, 8, 1), dtype=np.uint8)
 
         cases = {

@@ -27,7 +27,7 @@ from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 from generator_service.ddpm.model import GeneratorMetadata, build_unet, make_train_scheduler, save_generator
 from generator_service.serve_cmd import GeneratorServer, ServeConfig
-from runtime_harness import START_TIMEOUT_S, overrides, read_record, wait_exit
+from runtime_harness import START_TIMEOUT_S, overrides, read_record, wait_exit, register_request
 
 CLIENTS = 4  # against the guarded coordinator each test uses its own identity: client-0, client-1, client-2 and 3
 RPC_TIMEOUT_S = 10.0
@@ -201,7 +201,7 @@ def test_revoking_a_node_ends_the_stream_it_holds_open(guarded: tuple[str, Path]
     with grpcutil.make_channel(address, node_credentials(pki, "client-0")) as channel:
         stub = pb_grpc.CoordinatorStub(channel)
         spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=RPC_TIMEOUT_S)
-        session = stub.Register(pb.RegisterRequest(client_id=0, num_samples=10, run_id=spec.run_id), timeout=RPC_TIMEOUT_S).session
+        session = stub.Register(register_request(spec, client_id=0, num_samples=10), timeout=RPC_TIMEOUT_S).session
         stream = stub.Subscribe(pb.SubscribeRequest(client_id=0, session=session), timeout=RPC_TIMEOUT_S)
         assert next(stream).WhichOneof("kind") == "heartbeat"
         revoked.write_text(revoked.read_text() + "client-0\n")
@@ -310,7 +310,7 @@ def test_the_data_plane_serves_a_ticket_to_its_own_clients_certificate_only(pki:
         with grpcutil.make_channel(address, node_credentials(pki, "client-0")) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
             spec = stub.GetRunSpec(pb.GetRunSpecRequest(), timeout=RPC_TIMEOUT_S, wait_for_ready=True)
-            reply = stub.Register(pb.RegisterRequest(client_id=0, num_samples=10, run_id=spec.run_id), timeout=RPC_TIMEOUT_S)
+            reply = stub.Register(register_request(spec, client_id=0, num_samples=10), timeout=RPC_TIMEOUT_S)
             stream = stub.Subscribe(pb.SubscribeRequest(client_id=0, session=reply.session), timeout=60)
             task = next(m.task for m in stream if m.WhichOneof("kind") == "task")
 

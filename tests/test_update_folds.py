@@ -12,7 +12,7 @@ from coordinator import update_folds
 from coordinator.rounds import RoundInProgress
 from coordinator.update_folds import UpdateFolds
 from fedsynth.algorithms.base import Aggregator
-from fedsynth.errors import StateError
+from fedsynth.errors import StateError, WireError
 from fedsynth.process.runtime import lower_thread_priority
 from fedsynth.wire.transfer import prepare
 
@@ -43,17 +43,36 @@ def test_a_round_waits_for_its_folds_which_run_in_the_order_accepted() -> None:
     folds.shutdown()
 
 
-def test_a_failed_fold_stops_the_round_and_names_the_client() -> None:
+def test_a_fold_refused_by_the_aggregators_checks_costs_its_client_not_the_round() -> None:
     lock = threading.Condition()
-    folds, rnd = UpdateFolds(lock), _round()
+    refused: list[tuple[int, int, str]] = []
+    folds = UpdateFolds(lock, refuse=lambda rnd, client, why: refused.append((rnd.number, client, why)))
+    rnd = _round()
 
-    def broken() -> None:
-        raise ValueError("tensor 'fc.weight' has shape [3] where [4] was expected")
+    def unfit() -> None:  # the aggregator's layout check, which raises before its sums change
+        raise WireError("this algorithm expects no extra tensors, got ['junk']")
+
+    folds.reserve("client 1")
+    with lock:
+        folds.submit(rnd, 1, unfit)
+    folds.wait_for(rnd)  # the round goes on
+    assert refused == [(1, 1, "round 1: client 1's update could not be folded: this algorithm expects no extra tensors, got ['junk']")]
+    folds.reserve("client 2")  # the refused fold gave its place back
+    folds.cancel()
+    folds.shutdown()
+
+
+def test_a_fold_that_fails_past_the_checks_stops_the_round_and_names_the_client() -> None:
+    lock = threading.Condition()
+    folds, rnd = UpdateFolds(lock, refuse=lambda *_: None), _round()
+
+    def broken() -> None:  # a bug, not a defect of the update: the sum may hold part of it
+        raise RuntimeError("out of memory in the middle of the sum")
 
     folds.reserve("client 1")
     with lock:
         folds.submit(rnd, 1, broken)
-    with pytest.raises(RuntimeError, match=r"round 1: updates could not be folded: client 1: ValueError: tensor 'fc.weight'"):
+    with pytest.raises(RuntimeError, match=r"round 1: updates could not be folded: client 1: RuntimeError: out of memory"):
         folds.wait_for(rnd)
     folds.reserve("client 2")  # the failed fold gave its place back
     folds.cancel()

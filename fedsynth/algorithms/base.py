@@ -73,6 +73,14 @@ class Algorithm(Protocol):
         ...
 
 
+def extra_layout(algorithm: Any, model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The tensors a client of `algorithm` sends beside its model (name -> (shape, dtype), before the wire dtype): its
+    `client_extra_layout(model)` where it declares one (SCAFFOLD's delta c), else none. The coordinator checks every
+    update against it before it acknowledges the update."""
+    own = getattr(algorithm, "client_extra_layout", None)
+    return {} if own is None else dict(own(model))
+
+
 def check_parameters(algorithm: Any) -> None:
     """Each parameter (dataclass field) of `algorithm` within its bound in fedsynth.config_schema.ALGORITHM_PARAMS,
     the bounds the config check applies too; else ConfigError naming the parameter."""
@@ -171,6 +179,7 @@ class Aggregator:
         self._count += 1
 
     def add_extra(self, extra: StateDict) -> None:
+        """Check, then fold, the algorithm's extra tensors; raises before it changes anything (add relies on it)."""
         if extra:
             raise WireError(f"this algorithm expects no extra tensors, got {sorted(extra)[:5]}")
 

@@ -99,6 +99,10 @@ class Scaffold:
             state=snapshot_state(model), extra=delta_c, client_state=new_client_c, num_steps=steps, train_loss=train_loss
         )
 
+    def client_extra_layout(self, model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Each client's delta c_i: one tensor per trainable parameter, under its name."""
+        return {name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters() if p.requires_grad}
+
     def new_aggregator(self, global_state: StateDict, server_state: StateDict) -> Aggregator:
         return ScaffoldAggregator(global_state, server_state, num_clients=self.num_clients, global_lr=self.global_lr)
 

@@ -17,6 +17,9 @@ EXIT_OK = 0
 EXIT_ERROR = 1  # bad configuration or input (the message names it)
 EXIT_BELOW_QUORUM = 3  # too few clients registered or answered; the run cannot go on
 EXIT_INTERNAL = 4  # an unexpected failure inside the coordinator (a bug): the message is in its log and coordinator.json
+# `fedsynth run`: every round completed, but without some of its clients (excluded, or their process failed):
+# report.json `failures` and `excluded_clients` name them. The coordinator itself exits 0 for such a run.
+EXIT_INCOMPLETE = 5
 EXIT_INTERRUPTED = 130
 
 

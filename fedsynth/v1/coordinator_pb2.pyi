@@ -21,7 +21,7 @@ class RunSpec(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., num_clients: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("client_id", "num_samples", "fedeas_images", "missing_classes", "run_id", "synthetic_digest", "label_counts", "schema_digest", "image_channels", "image_size", "unknown_classes", "node_token")
+    __slots__ = ("client_id", "num_samples", "fedeas_images", "missing_classes", "run_id", "synthetic_digest", "label_counts", "schema_digest", "image_channels", "image_size", "unknown_classes", "node_token", "fedsynth_version", "protocol_version", "model_layout_digest", "test_samples")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     FEDEAS_IMAGES_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,10 @@ class RegisterRequest(_message.Message):
     IMAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_CLASSES_FIELD_NUMBER: _ClassVar[int]
     NODE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FEDSYNTH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_LAYOUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TEST_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     client_id: int
     num_samples: int
     fedeas_images: int
@@ -46,7 +50,11 @@ class RegisterRequest(_message.Message):
     image_size: int
     unknown_classes: _containers.RepeatedScalarFieldContainer[str]
     node_token: str
-    def __init__(self, client_id: _Optional[int] = ..., num_samples: _Optional[int] = ..., fedeas_images: _Optional[int] = ..., missing_classes: _Optional[_Iterable[int]] = ..., run_id: _Optional[str] = ..., synthetic_digest: _Optional[str] = ..., label_counts: _Optional[_Iterable[int]] = ..., schema_digest: _Optional[str] = ..., image_channels: _Optional[int] = ..., image_size: _Optional[int] = ..., unknown_classes: _Optional[_Iterable[str]] = ..., node_token: _Optional[str] = ...) -> None: ...
+    fedsynth_version: str
+    protocol_version: int
+    model_layout_digest: str
+    test_samples: int
+    def __init__(self, client_id: _Optional[int] = ..., num_samples: _Optional[int] = ..., fedeas_images: _Optional[int] = ..., missing_classes: _Optional[_Iterable[int]] = ..., run_id: _Optional[str] = ..., synthetic_digest: _Optional[str] = ..., label_counts: _Optional[_Iterable[int]] = ..., schema_digest: _Optional[str] = ..., image_channels: _Optional[int] = ..., image_size: _Optional[int] = ..., unknown_classes: _Optional[_Iterable[str]] = ..., node_token: _Optional[str] = ..., fedsynth_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_layout_digest: _Optional[str] = ..., test_samples: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("session", "completed_rounds", "synthetic_uploaded", "mean_data_wanted", "data_port")

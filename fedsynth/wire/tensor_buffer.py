@@ -156,13 +156,14 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
             handle.write(_bytes_of(value))
 
 
-def decode_views(buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The tensors a safetensors buffer (uint8, 1-D) holds, as views of it; WireError naming what is malformed."""
+def decode_views(buffer: torch.Tensor, *, max_header_bytes: int = MAX_HEADER_BYTES) -> dict[str, torch.Tensor]:
+    """The tensors a safetensors buffer (uint8, 1-D) holds, as views of it; WireError naming what is malformed.
+    `max_header_bytes`: a longer JSON header is refused before it is parsed (a peer's update: its layout's size)."""
     if sys.byteorder != "little":  # views would read little-endian data as native: let safetensors convert
         from fedsynth.wire.codec import decode
 
         return decode(bytes(buffer.numpy()))
-    entries, start = _entries(buffer)
+    entries, start = _entries(buffer, max_header_bytes)
     tensors = {}
     for name, dtype, shape, begin, end in entries:
         raw = buffer[start + begin : start + end]
@@ -177,19 +178,23 @@ def decode_views(buffer: torch.Tensor) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _entries(buffer: torch.Tensor) -> tuple[list[tuple[str, torch.dtype, list[int], int, int]], int]:
+def _entries(buffer: torch.Tensor, max_header_bytes: int) -> tuple[list[tuple[str, torch.dtype, list[int], int, int]], int]:
     """(name, dtype, shape, begin, end) per tensor, sorted by offset, and where the data starts; checked like safetensors."""
     total = buffer.numel()
     if total < 8:
         raise _malformed(f"{total} bytes hold no header length")
     raw = memoryview(buffer.numpy())
     header_len = int.from_bytes(raw[:8], "little")
-    if header_len > MAX_HEADER_BYTES or 8 + header_len > total:
+    if header_len > max_header_bytes:
+        raise _malformed(f"header of {header_len} bytes exceeds the limit of {max_header_bytes}")
+    if 8 + header_len > total:
         raise _malformed(f"header length {header_len} does not fit in {total} bytes")
     try:
         header = json.loads(str(raw[8 : 8 + header_len], "utf-8"), object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, ValueError) as exc:
         raise _malformed(f"header is not JSON: {exc}") from exc
+    except RecursionError:
+        raise _malformed("header nests deeper than a JSON parser follows") from None
     if not isinstance(header, dict):
         raise _malformed("header is not a JSON object")
     metadata = header.pop("__metadata__", {})

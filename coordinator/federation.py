@@ -143,7 +143,8 @@ class Federation:
             self.registry.check_claim(client_id, run_id)
             try:
                 versions.check_node(client_id, node, expected_digest=self.layout_digest)
-            except versions.VersionRefused:
+            except versions.VersionRefused as exc:
+                log.warning("registration refused: %s", exc)
                 self._refuse_registration(client_id, "version")
                 raise
         with self.lock:

@@ -15,6 +15,9 @@ from fedsynth.config_schema import (
     ACCOUNTANTS,
     AGGREGATION_PARAMS,
     AGGREGATIONS,
+    LR_SCHEDULES,
+    OPTIMIZERS,
+    PRECISIONS,
     ALGORITHM_PARAMS,
     ALGORITHMS,
     BUILTIN_SCHEMAS,
@@ -47,12 +50,14 @@ LATER_EVALUATION_KEYS = {"data": {"local_test_fraction": 0.0}, "train": {"evalua
 UPDATE_NORM_KEYS = ("max_update_norm", "max_update_norm_factor", "update_norm_action")
 # Local data's keys came later too: at these defaults (split mode, the dataset's built-in schema), old fingerprints hold.
 LATER_DATA_KEYS = {"source": "split", "classes": None, "image_size": None, "channels": None}
-# Keys of the untrusted-members work (docs/security.md), by section, at the defaults that change nothing a run computes:
-# left out of the fingerprint there, and out of the run spec a coordinator sends (a node of the release before them
-# then parses it and is refused by its version, by name, instead of failing on an unknown key).
-MEMBER_KEYS = {
+# Keys that came with fedsynth 0.2.0 (untrusted members, bring-your-own model and hardware), by section, at the
+# defaults that change nothing a run computes: left out of the fingerprint there, and out of the run spec a coordinator
+# sends (a node of the release before them then parses it and is refused by its version, by name, instead of failing
+# on an unknown key).
+RELEASE_0_2_KEYS = {
     "data": {"max_image_pixels": 1 << 24, "follow_symlinks": False},
-    "train": {"aggregation": "mean", "aggregation_params": {}},
+    "train": {"aggregation": "mean", "aggregation_params": {}, "device": "cpu", "precision": "fp32", "optimizer": "sgd",
+              "lr_schedule": "constant", "init_weights": None},
     "runtime": {"max_refusals": 3},
 }
 MAX_SEED = 2**32 - 1  # torch, numpy and the derived per-client seeds all take it
@@ -162,12 +167,27 @@ class TrainConfig(Section):
     eval_every: int = 1  # federated evaluation after every eval_every-th round (and after the last)
     fraction_evaluate: float = 1.0  # the share of the K clients sampled (seeded, per round) to evaluate
     algorithm_params: dict[str, int | float] = field(default_factory=dict)  # the algorithm's parameters by name
+    # Where training runs (clients' local training, the coordinator's test pass, SDA-FL's server steps, FedGen's
+    # generator): "auto" (a GPU when the process has one, else the CPU), "cpu", "cuda" or "cuda:N".
+    device: str = "cpu"
+    precision: str = "fp32"  # "bf16" / "fp16": autocast on a GPU (fp16 with a GradScaler); fp32 everywhere by default
+    optimizer: str = "sgd"  # the clients' local optimizer, fresh each round: sgd (lr, momentum, weight_decay), adam, adamw
+    lr_schedule: str = "constant"  # the clients' lr over rounds: constant, cosine (to 0 at the last round), step (x0.1 at 1/2, 3/4)
+    # A safetensors file of initial weights present on every node (e.g. ImageNet weights the operator has), checked by
+    # its SHA-256 at registration; None: seeded random initialisation.
+    init_weights: str | None = None
     # How the round's updates become the new global model: the N_k-weighted mean, or a robust rule (docs/security.md):
     # the coordinate-wise median, the trimmed mean, Krum or Multi-Krum. The robust rules hold the round's updates.
     aggregation: str = "mean"
     aggregation_params: dict[str, int | float] = field(default_factory=dict)  # the rule's parameters by name
 
     def check(self) -> None:
+        if not (self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())):
+            self._fail("device", '"auto", "cpu", "cuda" or "cuda:N"')
+        self.one_of("precision", PRECISIONS)
+        self.one_of("optimizer", OPTIMIZERS)
+        self.one_of("lr_schedule", LR_SCHEDULES)
+        self.non_empty("init_weights")
         self.one_of("aggregation", AGGREGATIONS)
         self.parameters_of(self.aggregation, "aggregation_params", AGGREGATION_PARAMS)
         self.one_of("model", MODELS)
@@ -439,9 +459,10 @@ class RunConfig(Section):
                 content["data"].pop(key)
         content["generation"].pop("evaluate_per_class")  # scoring the generator after the run changes no result
         content["data"].pop("max_samples_per_client")
-        for section, defaults in MEMBER_KEYS.items():  # who may join and how updates are judged: at the defaults, old fingerprints hold
+        content["train"].pop("device")  # where training runs: results differ in rounding only
+        for section, defaults in RELEASE_0_2_KEYS.items():  # at the defaults, old fingerprints hold
             for key, default in defaults.items():
-                if section != "runtime" and content[section][key] == default:
+                if section != "runtime" and key in content[section] and content[section][key] == default:
                     content[section].pop(key)
         runtime = content.pop("runtime")
         wire_dtype = runtime["wire_dtype"]
@@ -542,10 +563,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 def to_json(cfg: RunConfig) -> str:
-    """The config as the run spec sends it: keys of MEMBER_KEYS at their defaults are left out (from_json fills them
+    """The config as the run spec sends it: keys of RELEASE_0_2_KEYS at their defaults are left out (from_json fills them
     in), so a node of the release before them reads the spec and is refused at registration by its version."""
     content = cfg.to_dict()
-    for section, defaults in MEMBER_KEYS.items():
+    for section, defaults in RELEASE_0_2_KEYS.items():
         for key, default in defaults.items():
             if content[section][key] == default:
                 content[section].pop(key)

@@ -68,6 +68,11 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "train.fraction_evaluate": ("float", [0, -0.5, 1.01]),
     "train.algorithm_params": ("table", [{"mu": 0.1}, {"lr": 1}]),  # the default fedavg takes no parameter
     "train.aggregation": ("str", ["Median", "bulyan", ""]),
+    "train.device": ("str", ["gpu", "cuda:", "cuda:x", "CPU", ""]),
+    "train.precision": ("str", ["fp64", "half", ""]),
+    "train.optimizer": ("str", ["lbfgs", "SGD", ""]),
+    "train.lr_schedule": ("str", ["linear", ""]),
+    "train.init_weights": ("str?", [""]),
     "train.aggregation_params": ("table", [{"beta": 0.1}, {"f": 1}]),  # the default mean takes no parameter
     "generation.policy": ("str", ["balanced", ""]),
     "generation.beta": ("float", [0, -12]),
@@ -457,8 +462,10 @@ def test_fedeas_ablation_keys_read_from_set_and_change_the_fingerprint_only_off_
     assert content["data"].pop("local_test_fraction") == 0.0  # federated evaluation's keys, at their defaults
     assert [content["train"].pop(key) for key in ("evaluation", "eval_every", "fraction_evaluate")] == ["server", 1, 1.0]
     content["data"].pop("max_samples_per_client")  # who may register: never in the fingerprint
+    content["train"].pop("device")  # where training runs: never in the fingerprint
     for section, defaults in {"data": {"max_image_pixels": 1 << 24, "follow_symlinks": False},
-                              "train": {"aggregation": "mean", "aggregation_params": {}}}.items():
+                              "train": {"aggregation": "mean", "aggregation_params": {}, "precision": "fp32",
+                                        "optimizer": "sgd", "lr_schedule": "constant", "init_weights": None}}.items():
         for key, default in defaults.items():  # the untrusted-members keys, at their defaults
             assert content[section].pop(key) == default
     content["data"].pop("local_dir")  # where the launcher finds client folders: never in the fingerprint

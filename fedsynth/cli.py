@@ -24,7 +24,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generator dpgan": ("generator_service.dpgan_cmd", "train a DP WGAN-GP on local images and write unlabelled samples"),
     "experiment": ("deploy.experiment", "several arms on the same partition and seed, with a comparison table"),
     "data split": ("fedsynth.learning.split_cmd", "write per-client data folders (split mode's shards) for local mode"),
-    "report": ("deploy.report_cmd", "re-render report.md and plots of a run folder"),
+    "report": ("deploy.report_cmd", "re-render report.md and plots of a run folder, or render a coordinator's run folder"),
+    "export": ("deploy.export_cmd", "write a run's trained model as safetensors and a JSON sidecar (classes, image size, ...)"),
+    "predict": ("fedsynth.learning.predict_cmd", "class name and probability per image, with a model `fedsynth export` wrote"),
     "deploy provision": ("deploy.provision", "create a CA and per-role TLS certificates"),
 }
 

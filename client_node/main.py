@@ -18,6 +18,7 @@ from fedsynth.wire import tls
 from fedsynth.wire.tensor_buffer import ReceiveBuffers
 from fedsynth.config import generator_addresses
 from fedsynth.errors import ConfigError
+from fedsynth.learning.hardware import set_node_device
 from fedsynth.process.metrics import add_metrics_arguments, linger_for_final_scrape, serve_metrics_from_args
 from fedsynth.process.runtime import setup_logging
 
@@ -61,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "several clients; or one folder holding client-<id>/ folders")
     parser.add_argument("--cache-dir", default="fedsynth-cache", help="folder of the persistent synthetic-image cache")
     parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of this process")
+    parser.add_argument("--device", metavar="auto|cpu|cuda|cuda:N",
+                        help="where this node's clients train, instead of the run config's train.device (e.g. cpu on a "
+                             "node without a GPU in a run whose config says cuda); its logical clients share it")
     parser.add_argument("--reconnect-timeout", type=float, default=300.0, help="give up after the coordinator is unreachable this long (s)")
     add_metrics_arguments(parser, linger=True)
     parser.add_argument("--log-level", default="INFO")
@@ -134,6 +138,9 @@ def run(args: argparse.Namespace) -> int:
     if args.torch_threads < 1:
         raise ConfigError(f"--torch-threads must be >= 1, got {args.torch_threads}")
     torch.set_num_threads(args.torch_threads)
+    device = set_node_device(getattr(args, "device", None))  # checked now: a GPU this machine lacks fails before the node registers
+    if device is not None:
+        log.info("clients %s train on %s (--device %s)", args.clients, device, args.device)
     # The first optimizer imports torch._dynamo (~3 s): pay it here, not inside a round where a SIGTERM would wait on it.
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     first = tls.tls_files_from_args(args, f"client-{ids[0]}")  # /metrics serves HTTPS with the first client's pair

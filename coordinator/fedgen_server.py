@@ -31,9 +31,11 @@ class FedGenServer:
         with self._lock:
             self._heads.setdefault(round_number, {})[client_id] = head_of(state)
 
-    def after_aggregation(self, server_state: StateDict, label_counts: dict[int, tuple[int, ...]], round_number: int) -> tuple[StateDict, dict[str, Any]]:
-        """(the server state for the next round, a summary): the generator trained on this round's heads, the global
-        label distribution from every registered client's counts, and the regularizer scale decay^round."""
+    def after_aggregation(self, server_state: StateDict, label_counts: dict[int, tuple[int, ...]], round_number: int, *,
+                          device: torch.device | str = "cpu") -> tuple[StateDict, dict[str, Any]]:
+        """(the server state for the next round, a summary): the generator trained on this round's heads (on `device`,
+        train.device; the state stays on the CPU), the global label distribution from every registered client's counts,
+        and the regularizer scale decay^round."""
         with self._lock:
             heads = self._heads.pop(round_number, {})
             self._heads = {r: h for r, h in self._heads.items() if r > round_number}
@@ -42,17 +44,17 @@ class FedGenServer:
         state = dict(server_state)
         loss_first = loss_last = None
         if clients and self.algorithm.gen_steps > 0:
-            generator = generator_from(server_state)
+            generator = generator_from(server_state).to(device)
             modules = []
             for c in clients:
                 head = nn.Linear(heads[c]["weight"].shape[1], heads[c]["weight"].shape[0])
                 head.load_state_dict(heads[c])
-                modules.append(head)
+                modules.append(head.to(device))
             counts = np.array([label_counts[c] for c in clients], dtype=np.float64)
             losses = train_generator(generator, modules, counts, steps=self.algorithm.gen_steps, batch_size=self.algorithm.gen_batch_size,
                                      lr=self.algorithm.gen_lr, seed=self.seed * 100_003 + round_number)
             loss_first, loss_last = losses[0], losses[-1]
-            state.update({f"{GEN}{k}": v.detach().clone() for k, v in generator.state_dict().items()})
+            state.update({f"{GEN}{k}": v.detach().to("cpu", copy=True) for k, v in generator.state_dict().items()})
         totals = np.sum([counts for counts in label_counts.values() if counts], axis=0) if any(label_counts.values()) else None
         if totals is not None and totals.sum() > 0:
             state["label_distribution"] = torch.as_tensor(totals / totals.sum(), dtype=torch.float32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import threading
@@ -18,6 +19,7 @@ from coordinator.synthetic_pool import UNLABELLED, SyntheticPool, mixup_finetune
 from fedsynth.wire import codec
 from fedsynth.config import RunConfig
 from fedsynth.learning.data import ArrayDataset, load_dataset
+from fedsynth.learning.hardware import resolve_hardware
 from fedsynth.errors import StateError, WireError
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,10 @@ class SdaflServer:
             self.reference = ReferenceClassifier(train, cfg.seed)
         self._lock = threading.Condition()
         self.failed: dict[int, str] = {}  # client id -> why its DP-GAN failed (it will not upload)
+        # train.device: pseudo-labelling and the server's fine-tuning run there (the global model stays on the CPU; a
+        # replica on a GPU is loaded with it for each fine-tune and copied back)
+        self.device = resolve_hardware(cfg.train.device, cfg.train.precision)
+        self._replica: nn.Module | None = None
 
     # ---- uploads ---------------------------------------------------------------------------------
 
@@ -133,7 +139,8 @@ class SdaflServer:
             return self.pool.digest()
 
     def pseudo_labels(self, client_id: int, model: nn.Module) -> np.ndarray:
-        return self.pool.pseudo_label(client_id, model)
+        """`model` is the caller's own copy of the client's model: it is moved to train.device."""
+        return self.pool.pseudo_label(client_id, model.to(self.device))
 
     def commit_labels(self, client_id: int, labels: np.ndarray) -> None:
         with self._lock:
@@ -146,10 +153,19 @@ class SdaflServer:
             images, labels = self.pool.labelled()
             coverage = self.pool.coverage()
         started = time.monotonic()
+        tuned = model
+        if self.device.type != "cpu" and s.server_steps and len(labels):
+            if self._replica is None:
+                self._replica = copy.deepcopy(model).to(self.device)
+            tuned = self._replica
+            tuned.load_state_dict(model.state_dict())
         loss = mixup_finetune(
-            model, images, labels, steps=s.server_steps, lr=s.server_lr, batch_size=s.server_batch_size,
+            tuned, images, labels, steps=s.server_steps, lr=s.server_lr, batch_size=s.server_batch_size,
             alpha=s.mixup_alpha, seed=self.cfg.seed * 100_003 + round_number,
         )
+        if tuned is not model:  # back into the CPU global model, BatchNorm's statistics included
+            model.load_state_dict(tuned.state_dict())
+            model.eval()
         agreement = None
         if self.reference is not None and len(labels):
             agreement = float((self.reference.predict(images) == labels).mean())

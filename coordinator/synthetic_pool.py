@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedsynth.errors import StateError, WireError
+from fedsynth.learning.hardware import to_device
 from fedsynth.learning.training import images_to_tensor
 
 log = logging.getLogger(__name__)
@@ -75,13 +76,15 @@ class SyntheticPool:
     # ---- pseudo-labels -----------------------------------------------------------------------------
 
     def pseudo_label(self, client_id: int, model: nn.Module) -> np.ndarray:
-        """Labels of this client's samples from its new local model: argmax where max probability > tau, else -1."""
+        """Labels of this client's samples from its new local model (on the model's device): argmax where max probability
+        > tau, else -1."""
         upload = self.uploads.get(client_id)
         if upload is None:
             return np.zeros(0, dtype=np.int64)
+        device = next(model.parameters()).device
         model.eval()
         with torch.inference_mode():
-            probs = F.softmax(model(images_to_tensor(upload.images)), dim=1)
+            probs = F.softmax(model(to_device(images_to_tensor(upload.images), device)).float(), dim=1).cpu()
         confidence, label = probs.max(dim=1)
         return torch.where(confidence > self.tau, label, torch.full_like(label, UNLABELLED)).numpy().astype(np.int64)
 
@@ -126,12 +129,14 @@ class SyntheticPool:
 def mixup_finetune(
     model: nn.Module, images: np.ndarray, labels: np.ndarray, *, steps: int, lr: float, batch_size: int, alpha: float, seed: int
 ) -> float:
-    """The server's step after aggregation: SGD on mixup of two labelled synthetic batches; returns the mean loss."""
+    """The server's step after aggregation: SGD on mixup of two labelled synthetic batches, on the model's device (the
+    draws are the CPU's wherever it runs); returns the mean loss."""
     if steps == 0 or len(labels) == 0:
         return float("nan")
     generator = torch.Generator().manual_seed(seed)
     mix_rng = np.random.default_rng(seed)
     x, y = images_to_tensor(images), torch.as_tensor(labels)
+    device = next(model.parameters()).device
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     model.train()
     losses = []
@@ -139,8 +144,10 @@ def mixup_finetune(
         first = torch.randint(len(y), (min(batch_size, len(y)),), generator=generator)
         second = torch.randint(len(y), (len(first),), generator=generator)
         lam = float(mix_rng.beta(alpha, alpha))
-        logits = model(lam * x[first] + (1 - lam) * x[second])
-        loss = lam * F.cross_entropy(logits, y[first]) + (1 - lam) * F.cross_entropy(logits, y[second])
+        x_first, x_second = to_device(x[first], device), to_device(x[second], device)
+        y_first, y_second = to_device(y[first], device), to_device(y[second], device)
+        logits = model(lam * x_first + (1 - lam) * x_second)
+        loss = lam * F.cross_entropy(logits, y_first) + (1 - lam) * F.cross_entropy(logits, y_second)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

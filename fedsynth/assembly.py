@@ -14,9 +14,10 @@ from fedsynth.algorithms import Algorithm, get_algorithm
 from fedsynth.config import DataConfig, RunConfig
 from fedsynth.learning.data import ArrayDataset, load_dataset
 from fedsynth.learning.evaluation import DEFAULT_LOCAL_TEST_FRACTION, held_out_indices
-from fedsynth.errors import FedsynthError
-from fedsynth.learning.models import ProjectedModel, build_model
+from fedsynth.errors import ConfigError, FedsynthError
+from fedsynth.learning.models import ProjectedModel, build_model, has_features_head
 from fedsynth.learning.partition import partition_for
+from fedsynth.learning.hardware import node_device, resolve_hardware
 from fedsynth.learning.training import LocalTrainConfig
 
 FLIP_DATASETS = frozenset({"cifar10", "cifar100"})  # horizontal flips keep a natural image's class, not a digit's
@@ -46,13 +47,43 @@ def model_for(cfg: RunConfig, *, num_classes: int, in_channels: int, image_size:
     Weights come from torch's global RNG, as build_model's do."""
     model = build_model(cfg.train.model, num_classes=num_classes, in_channels=in_channels, image_size=image_size)
     projection_dim = getattr(algorithm_for(cfg), "projection_dim", 0) if cfg.train.algorithm == "moon" else 0
+    _check_split_for(cfg, model, projection_dim)
     if projection_dim:
         model = ProjectedModel(model, num_classes=num_classes, projection_dim=projection_dim)
     return model
 
 
-def local_train_config(cfg: RunConfig) -> LocalTrainConfig:
+def _check_split_for(cfg: RunConfig, model: nn.Module, projection_dim: int) -> None:
+    """MOON and FedGen call model.features(x) and model.head(rep) (MOON's projection head also reads
+    representation_dim; FedGen's server finds the head's weights at "classifier." or "net.fc."): ConfigError naming
+    train.model and train.algorithm when the built model lacks what they need (docs/guides/bring-your-own-model.md)."""
+    algorithm = cfg.train.algorithm
+    if algorithm not in ("moon", "fedgen"):
+        return
+    refused = f"train.algorithm={algorithm!r} cannot train train.model={cfg.train.model!r}"
+    if not has_features_head(model):
+        raise ConfigError(f"{refused}: it needs features(x) and head(rep) methods on the model's class, and this model "
+                          "has none (see docs/guides/bring-your-own-model.md)")
+    if projection_dim and not isinstance(getattr(model, "representation_dim", None), int):
+        raise ConfigError(f"{refused}: MOON's projection head needs an integer model.representation_dim (the width of "
+                          "features(x)); set one, or train.algorithm_params.projection_dim = 0")
+    if algorithm == "fedgen":
+        from fedsynth.algorithms.fedgen import HEAD_PREFIXES, head_prefix
+
+        try:
+            head_prefix(model.state_dict())
+        except FedsynthError as exc:
+            raise ConfigError(f"{refused}: FedGen's server needs the head's weight and bias under one of "
+                              f"{', '.join(HEAD_PREFIXES)} in the state dict") from exc
+
+
+def local_train_config(cfg: RunConfig, round_number: int = 1) -> LocalTrainConfig:
+    """Local training as the run config says, for round `round_number` (its lr under train.lr_schedule), on the device
+    this process trains on (`fedsynth client --device`, else train.device, resolved here: ConfigError on a process
+    without that GPU, or fp16 without a GPU)."""
     t = cfg.train
+    spec, key = node_device(t.device)
+    device = resolve_hardware(spec, t.precision, key=key)
     return LocalTrainConfig(
         lr=t.lr,
         momentum=t.momentum,
@@ -61,6 +92,12 @@ def local_train_config(cfg: RunConfig) -> LocalTrainConfig:
         local_epochs=t.local_epochs,
         augment=t.augment,
         max_steps=t.max_steps,
+        optimizer=t.optimizer,
+        lr_schedule=t.lr_schedule,
+        rounds=t.rounds,
+        round_number=round_number,
+        device=str(device),
+        precision=t.precision,
     )
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedsynth.algorithms.base import ClientUpdate, StateDict, WeightedMeanServer, snapshot_state
-from fedsynth.learning.training import LocalTrainConfig, TrainData, run_local_sgd
+from fedsynth.learning.training import LocalTrainConfig, TrainData, run_local_sgd, train_device
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,8 @@ class FedAvg(WeightedMeanServer):
         client_state: StateDict,
         generator: torch.Generator,
     ) -> ClientUpdate:
+        train_device(model, cfg)
+
         def loss_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return F.cross_entropy(model(x), y)
 

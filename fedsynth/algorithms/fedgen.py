@@ -30,7 +30,7 @@ from torch import nn
 from fedsynth.algorithms.base import Aggregator, ClientUpdate, StateDict, check_parameters, snapshot_state
 from fedsynth.errors import WireError
 from fedsynth.learning.fedgen_generator import FeatureGenerator
-from fedsynth.learning.training import LocalTrainConfig, TrainData, run_local_sgd
+from fedsynth.learning.training import LocalTrainConfig, TrainData, run_local_sgd, train_device
 
 HEAD_PREFIXES = ("classifier.", "net.fc.")  # fedsynth.learning.models: SmallCNN's head, CifarResNet18's head
 GEN = "generator."
@@ -119,8 +119,9 @@ class FedGen:
         client_state: StateDict,
         generator: torch.Generator,
     ) -> ClientUpdate:
+        device = train_device(model, cfg)
         scale = float(server_extra["reg_scale"]) if "reg_scale" in server_extra else 0.0
-        feature_gen = generator_from(server_extra) if scale > 0 else None
+        feature_gen = generator_from(server_extra).to(device) if scale > 0 else None
         distribution = server_extra.get("label_distribution")
         if feature_gen is not None and (distribution is None or not bool(torch.isfinite(distribution).all())
                                         or float(distribution.min()) < 0 or float(distribution.sum()) <= 0):
@@ -133,7 +134,7 @@ class FedGen:
             loss = F.cross_entropy(logits, y)
             if feature_gen is None:
                 return loss
-            sampled = torch.multinomial(distribution, len(y), replacement=True, generator=generator)
+            sampled = torch.multinomial(distribution, len(y), replacement=True, generator=generator).to(device)
             with torch.no_grad():
                 target = F.softmax(model.head(feature_gen(y, generator)[0]), dim=1)
                 generated = feature_gen(sampled, generator)[0]

@@ -28,7 +28,7 @@ from torch import nn
 
 from fedsynth.algorithms.base import ClientUpdate, StateDict, WeightedMeanServer, check_parameters, snapshot_state
 from fedsynth.errors import WireError
-from fedsynth.learning.training import LocalTrainConfig, TrainData, run_local_sgd
+from fedsynth.learning.training import LocalTrainConfig, TrainData, run_local_sgd, train_device
 
 
 def soft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -79,6 +79,7 @@ class _MeanDataMix(WeightedMeanServer):
         client_state: StateDict,
         generator: torch.Generator,
     ) -> ClientUpdate:
+        train_device(model, cfg)
         mean_x = server_extra.get("mean_x", torch.zeros(0, *data.x.shape[1:]))
         mean_y = server_extra.get("mean_y", torch.zeros(0, 0))
         if mean_x.ndim != 4 or mean_y.ndim != 2 or len(mean_x) != len(mean_y) or mean_x.shape[1:] != data.x.shape[1:]:

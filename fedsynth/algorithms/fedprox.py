@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedsynth.algorithms.base import ClientUpdate, StateDict, WeightedMeanServer, check_parameters, snapshot_state
-from fedsynth.learning.training import LocalTrainConfig, TrainData, run_local_sgd
+from fedsynth.learning.training import LocalTrainConfig, TrainData, run_local_sgd, train_device
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class FedProx(WeightedMeanServer):
         client_state: StateDict,
         generator: torch.Generator,
     ) -> ClientUpdate:
+        train_device(model, cfg)  # the global weights below are copied where the model trains
         params = [p for p in model.parameters() if p.requires_grad]
         global_params = [p.detach().clone() for p in params]
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedsynth.algorithms.base import ClientUpdate, StateDict, WeightedMeanServer, check_parameters, snapshot_state
-from fedsynth.learning.training import LocalTrainConfig, TrainData, run_local_sgd
+from fedsynth.learning.training import LocalTrainConfig, TrainData, run_local_sgd, train_device
 
 
 def contrastive_loss(z: torch.Tensor, z_global: torch.Tensor, z_previous: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -66,6 +66,7 @@ class Moon(WeightedMeanServer):
         client_state: StateDict,
         generator: torch.Generator,
     ) -> ClientUpdate:
+        train_device(model, cfg)  # the frozen copies below live where the model trains
         global_model = _frozen_copy(model)
         if client_state:
             previous_model = _frozen_copy(model, client_state)

@@ -17,7 +17,7 @@ from fedsynth.algorithms.base import (
     snapshot_state,
 )
 from fedsynth.errors import ConfigError, WireError
-from fedsynth.learning.training import LocalTrainConfig, TrainData, run_local_sgd
+from fedsynth.learning.training import LocalTrainConfig, TrainData, run_local_sgd, train_device
 
 
 def effective_steps(steps: int, momentum: float) -> float:
@@ -63,6 +63,10 @@ class Scaffold:
         client_state: StateDict,
         generator: torch.Generator,
     ) -> ClientUpdate:
+        if cfg.optimizer != "sgd":
+            raise ConfigError(f"scaffold needs train.optimizer = \"sgd\" (its control variates divide the round's move by "
+                              f"the steps SGD took), got train.optimizer = {cfg.optimizer!r}")
+        train_device(model, cfg)
         params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         layout = {name: (p.dtype, tuple(p.shape)) for name, p in params.items()}
         missing = [name for name in params if name not in server_extra]
@@ -89,7 +93,7 @@ class Scaffold:
         if steps == 0:  # no step: keep c_i, send delta c_i = 0 (every client of a round sends the same keys)
             return ClientUpdate(state=snapshot_state(model), extra={name: torch.zeros_like(c) for name, c in client_c.items()},
                                 client_state=dict(client_c), num_steps=0, train_loss=train_loss)
-        scale = 1.0 / (effective_steps(steps, cfg.momentum) * cfg.lr)
+        scale = 1.0 / (effective_steps(steps, cfg.momentum) * cfg.round_lr)  # the lr this round's steps took
         new_client_c, delta_c = {}, {}
         for name, p in params.items():
             drift = (global_params[name] - p.detach().cpu()) * scale

@@ -16,7 +16,7 @@ from torch import nn
 
 from fedsynth.algorithms.base import ClientUpdate, StateDict, WeightedMeanServer, check_parameters, snapshot_state
 from fedsynth.errors import WireError
-from fedsynth.learning.training import LocalTrainConfig, TrainData, run_local_sgd
+from fedsynth.learning.training import LocalTrainConfig, TrainData, run_local_sgd, train_device
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class Sdafl(WeightedMeanServer):
         client_state: StateDict,
         generator: torch.Generator,
     ) -> ClientUpdate:
+        train_device(model, cfg)
         synthetic_x = server_extra.get("synthetic_x")
         synthetic_y = server_extra.get("synthetic_y")
         if (synthetic_x is None) != (synthetic_y is None) or (synthetic_x is not None and len(synthetic_x) != len(synthetic_y)):

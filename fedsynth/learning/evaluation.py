@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedsynth.learning.hardware import to_device
 from fedsynth.learning.training import TrainData
 
 # The local test fraction used when train.evaluation is federated or both and data.local_test_fraction is left at 0.
@@ -44,7 +45,9 @@ class EvaluationCounts:
 
 
 def count_predictions(model: nn.Module, data: TrainData, num_classes: int, batch_size: int = 512) -> EvaluationCounts:
-    """`model`'s counts on `data` in eval mode (restores the previous mode)."""
+    """`model`'s counts on `data` in eval mode, on the model's device (a client's model stays on train.device between
+    rounds); restores the previous mode."""
+    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     loss_sum = 0.0
@@ -53,7 +56,7 @@ def count_predictions(model: nn.Module, data: TrainData, num_classes: int, batch
     with torch.inference_mode():
         for start in range(0, len(data), batch_size):
             x, y = data.x[start : start + batch_size], data.y[start : start + batch_size]
-            logits = model(x)
+            logits = model(to_device(x, device)).float().cpu()
             loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
             class_total += torch.bincount(y, minlength=num_classes)
             class_correct += torch.bincount(y[logits.argmax(dim=1) == y], minlength=num_classes)

@@ -31,8 +31,10 @@ class FeatureGenerator(nn.Module):
         self.output = nn.Linear(hidden_dim, feature_dim)
 
     def forward(self, labels: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(features N x feature_dim, the noise eps N x noise_dim) for integer `labels`."""
-        eps = torch.rand((len(labels), self.noise_dim), generator=generator)
+        """(features N x feature_dim, the noise eps N x noise_dim) for integer `labels`, on their device; eps is drawn
+        where `generator` lives (the CPU's: the same draws whichever device trains) and moved there."""
+        draw_on = None if generator is None else generator.device
+        eps = torch.rand((len(labels), self.noise_dim), generator=generator, device=draw_on).to(labels.device)
         z = torch.cat([eps, F.one_hot(labels, self.num_classes).float()], dim=1)
         return self.output(self.hidden(z)), eps
 
@@ -60,7 +62,7 @@ def teacher_loss(generator: FeatureGenerator, heads: Sequence[nn.Module], weight
     """(the teacher loss sum_k mean_i w_k(y_i) CE(head_k(G(y_i)), y_i), the diversity loss) for one batch of labels;
     `weights` is C x K."""
     features, eps = generator(labels, rng)
-    teacher = torch.zeros(())
+    teacher = torch.zeros((), device=features.device)
     for k, head in enumerate(heads):
         teacher = teacher + (F.cross_entropy(head(features), labels, reduction="none") * weights[labels, k]).mean()
     return teacher, diversity_loss(eps, features)
@@ -70,9 +72,11 @@ def train_generator(generator: FeatureGenerator, heads: Sequence[nn.Module], cou
                     batch_size: int = 128, lr: float = 3e-4, ensemble_alpha: float = 1.0, ensemble_eta: float = 1.0,
                     seed: int = 0, optimizer: torch.optim.Optimizer | None = None) -> list[float]:
     """`steps` Adam steps of the generator against the fixed heads (their weights are not trained); labels are drawn
-    uniformly from the qualified labels, as the authors draw them. Returns each step's teacher loss."""
+    uniformly from the qualified labels, as the authors draw them. Runs on the generator's device (the heads must be
+    there too); the random draws are the CPU's wherever it runs. Returns each step's teacher loss."""
+    device = next(generator.parameters()).device
     weights_np, qualified = label_weights(counts)
-    weights = torch.as_tensor(weights_np, dtype=torch.float32)
+    weights = torch.as_tensor(weights_np, dtype=torch.float32, device=device)
     rng = torch.Generator().manual_seed(seed)
     choice = np.random.default_rng(seed)
     optimizer = optimizer or torch.optim.Adam(generator.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8)
@@ -83,7 +87,7 @@ def train_generator(generator: FeatureGenerator, heads: Sequence[nn.Module], cou
     generator.train()
     losses = []
     for _ in range(steps):
-        labels = torch.as_tensor(choice.choice(qualified, batch_size), dtype=torch.int64)
+        labels = torch.as_tensor(choice.choice(qualified, batch_size), dtype=torch.int64, device=device)
         teacher, diversity = teacher_loss(generator, heads, weights, labels, rng)
         optimizer.zero_grad(set_to_none=True)
         (ensemble_alpha * teacher + ensemble_eta * diversity).backward()

@@ -1,10 +1,12 @@
-"""Local training on in-memory tensors: config, seeded minibatches and augmentation, the SGD loop, evaluation."""
+"""Local training on in-memory tensors: config, seeded minibatches and augmentation, the optimizer (train.optimizer,
+train.lr_schedule), the training loop (on train.device, at train.precision), evaluation."""
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -12,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedsynth.config_schema import LR_SCHEDULES, OPTIMIZERS, PRECISIONS
 from fedsynth.errors import ConfigError, DataError, StopRequested
+from fedsynth.learning.hardware import autocast, grad_scaler, to_device
 
 AUGMENT_MIN_SIZE = 32  # random crop + flip only makes sense for natural images; 8x8 digits stay as they are
 CROP_PADDING = 4
@@ -29,11 +33,16 @@ def images_to_tensor(x_uint8_nhwc: np.ndarray) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LocalTrainConfig:
-    """Local SGD settings (paper defaults: lr 1e-3, batch 64, 10 local epochs).
+    """Local training settings (paper defaults: lr 1e-3, batch 64, 10 local epochs).
 
     `max_steps` caps the optimizer steps per round (None: run all `local_epochs`); a short-run knob for
     CPU smoke runs and tests. `should_stop` is asked before every optimizer step; once it returns True,
     training raises StopRequested (a client node passes its SIGTERM flag).
+
+    `optimizer`: "sgd" (lr, momentum, weight_decay), "adam" or "adamw" (lr, weight_decay; torch's default betas
+    (0.9, 0.999) and eps 1e-8; momentum is not used), fresh each round (make_optimizer). `lr_schedule` over the run's
+    `rounds`: this round's (`round_number`, 1-based) lr is `round_lr` (scheduled_lr). `device`: a resolved torch device
+    string ("cpu", "cuda:0"; fedsynth.learning.hardware), `precision`: "fp32", or autocast to "bf16" / "fp16".
     """
 
     lr: float = 1e-3
@@ -44,6 +53,12 @@ class LocalTrainConfig:
     augment: bool = False
     max_steps: int | None = None
     should_stop: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
+    optimizer: str = "sgd"
+    lr_schedule: str = "constant"
+    rounds: int = 1  # T, the run's rounds: what lr_schedule spans
+    round_number: int = 1  # this round (the task's), 1-based
+    device: str = "cpu"
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         _check_real("lr", self.lr, lower=0.0, lower_inclusive=False)
@@ -55,6 +70,59 @@ class LocalTrainConfig:
             raise ConfigError(f"augment must be true or false, got {self.augment!r}")
         if self.max_steps is not None and (isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int) or self.max_steps < 0):
             raise ConfigError(f"max_steps must be an integer >= 0 (0 switches training off), got {self.max_steps!r}")
+        for name, allowed in (("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES), ("precision", PRECISIONS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        _check_int("rounds", self.rounds)
+        _check_int("round_number", self.round_number)
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ConfigError(f"device must name a torch device (\"cpu\", \"cuda:0\"), got {self.device!r}") from None
+
+    @property
+    def round_lr(self) -> float:
+        """This round's learning rate under `lr_schedule` (exactly `lr` under "constant")."""
+        return scheduled_lr(self.lr, self.lr_schedule, self.round_number, self.rounds)
+
+
+def scheduled_lr(lr: float, schedule: str, round_number: int, rounds: int) -> float:
+    """The lr of round `round_number` (1-based) of `rounds`:
+    constant: lr;
+    cosine: lr * 0.5 * (1 + cos(pi * (round - 1) / rounds)): lr in round 1, near 0 (never 0) in the last;
+    step: lr, then lr * 0.1 for round > rounds / 2, lr * 0.01 for round > 3 * rounds / 4.
+    A round past `rounds` (not played by the coordinator) counts as the last."""
+    if schedule == "constant":
+        return lr
+    r = min(round_number, rounds)
+    if schedule == "cosine":
+        return lr * 0.5 * (1.0 + math.cos(math.pi * (r - 1) / rounds))
+    if schedule == "step":
+        return lr * (0.01 if r > 3 * rounds / 4 else 0.1 if r > rounds / 2 else 1.0)
+    raise ConfigError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {schedule!r}")
+
+
+def make_optimizer(params: Iterable[torch.Tensor] | Iterable[dict], cfg: LocalTrainConfig) -> torch.optim.Optimizer:
+    """The clients' local optimizer, fresh each round, at this round's lr: the one place every algorithm gets it."""
+    lr = cfg.round_lr
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+    raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}")
+
+
+def train_device(model: nn.Module, cfg: LocalTrainConfig) -> torch.device:
+    """Move `model` onto `cfg.device` (once: it stays there between rounds) and return that device. Every algorithm
+    calls it before it copies anything of the model (FedProx's global weights, MOON's frozen copies), so those copies
+    live where the model trains. The logical clients of one node each keep their model on the node's GPU."""
+    device = torch.device(cfg.device)
+    current = next(model.parameters()).device
+    if current != device:
+        model.to(device)
+    return device
 
 
 def _check_real(name: str, value: float, *, lower: float, lower_inclusive: bool, upper: float | None = None) -> None:
@@ -131,15 +199,17 @@ def run_local_sgd(
     loss_fn: LossFn,
     adjust_gradients: Callable[[], None] | None = None,
 ) -> tuple[int, float]:
-    """Plain SGD over `cfg.local_epochs` epochs (or `cfg.max_steps` steps) with a fresh optimizer.
+    """Local training over `cfg.local_epochs` epochs (or `cfg.max_steps` steps) with a fresh optimizer (make_optimizer)
+    on `cfg.device` (train_device), the forward pass and loss under autocast at `cfg.precision`.
 
     `loss_fn(x, y)` returns the scalar loss of a batch already on the model's device;
-    `adjust_gradients()` runs between backward and the optimizer step (SCAFFOLD's correction).
-    Returns (optimizer steps taken, mean batch loss over those steps); raises StopRequested when
-    `cfg.should_stop()` turns True, leaving the model part-trained.
+    `adjust_gradients()` runs between backward and the optimizer step (SCAFFOLD's correction), on unscaled gradients
+    under fp16's GradScaler. Returns (optimizer steps taken, mean batch loss over those steps); raises StopRequested
+    when `cfg.should_stop()` turns True, leaving the model part-trained.
     """
-    device = next(model.parameters()).device
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    device = train_device(model, cfg)
+    optimizer = make_optimizer(model.parameters(), cfg)
+    scaler = grad_scaler(device, cfg.precision)
     model.train()
     step_limit = cfg.max_steps if cfg.max_steps is not None else math.inf
     steps, loss_sum = 0, torch.zeros((), dtype=torch.float64, device=device)  # one .item() at the end, no per-step sync
@@ -151,31 +221,60 @@ def run_local_sgd(
                 break
             if cfg.should_stop is not None and cfg.should_stop():
                 raise StopRequested(f"local training stopped after {steps} optimizer steps")
-            if cfg.augment:
+            x, y = to_device(x, device), to_device(y, device)
+            if cfg.augment:  # the draws come from the (CPU) generator wherever the batch is: the same crops and flips
                 x = augment_batch(x, generator)
-            loss = loss_fn(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+            with autocast(device, cfg.precision):
+                loss = loss_fn(x, y)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if adjust_gradients is not None:
-                adjust_gradients()
-            optimizer.step()
+            if scaler is None:
+                loss.backward()
+                if adjust_gradients is not None:
+                    adjust_gradients()
+                optimizer.step()
+            else:
+                scaler.scale(loss).backward()
+                if adjust_gradients is not None:
+                    scaler.unscale_(optimizer)
+                    adjust_gradients()
+                scaler.step(optimizer)  # skipped (and the scale lowered) where a gradient overflowed
+                scaler.update()
             steps += 1
             loss_sum += loss.detach()
     return steps, (loss_sum.item() / steps if steps else float("nan"))
 
 
-def evaluate(model: nn.Module, data: TrainData, batch_size: int = 512) -> tuple[float, float]:
-    """(mean cross-entropy loss, accuracy) of `model` on `data`, in eval mode; restores the previous mode."""
+def evaluate(model: nn.Module, data: TrainData, batch_size: int = 512, *, precision: str = "fp32") -> tuple[float, float]:
+    """(mean cross-entropy loss, accuracy) of `model` on `data`, in eval mode, on the model's device (batches moved
+    there), the forward pass under autocast at `precision`; restores the previous mode."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     loss_sum, correct = 0.0, 0
     with torch.inference_mode():
         for start in range(0, len(data), batch_size):
-            x = data.x[start : start + batch_size].to(device)
-            y = data.y[start : start + batch_size].to(device)
-            logits = model(x)
-            loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
+            x = to_device(data.x[start : start + batch_size], device)
+            y = to_device(data.y[start : start + batch_size], device)
+            with autocast(device, precision):
+                logits = model(x)
+            loss_sum += F.cross_entropy(logits.float(), y, reduction="sum").item()
             correct += int((logits.argmax(dim=1) == y).sum().item())
     model.train(was_training)
     return loss_sum / len(data), correct / len(data)
+
+
+class DeviceEvaluator:
+    """`evaluate` on train.device for a model that lives on the CPU (the coordinator's global model): a replica on the
+    device, loaded with the model's weights at each call. On the CPU at fp32: `evaluate` on the model itself, as before."""
+
+    def __init__(self, device: torch.device, precision: str = "fp32") -> None:
+        self.device, self.precision = device, precision
+        self._replica: nn.Module | None = None
+
+    def __call__(self, model: nn.Module, data: TrainData, batch_size: int = 512) -> tuple[float, float]:
+        if self.device.type == "cpu":
+            return evaluate(model, data, batch_size, precision=self.precision)
+        if self._replica is None:
+            self._replica = copy.deepcopy(model).to(self.device)
+        self._replica.load_state_dict(model.state_dict())
+        return evaluate(self._replica, data, batch_size, precision=self.precision)

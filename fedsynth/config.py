@@ -30,9 +30,10 @@ from fedsynth.config_schema import (
     GENERATOR_SIZES,
     MAX_EXPONENT,
     MAX_PORT,
-    MODELS,
+    CLASSIFIER_MODELS,
     PARTITIONS,
     POLICIES,
+    UNET_MODELS,
     UPDATE_NORM_ACTIONS,
     WIRE_DTYPES,
     Section,
@@ -151,7 +152,11 @@ class TrainConfig(Section):
     """The model, the federated algorithm and local training."""
 
     SECTION: ClassVar[str] = "train"
-    model: str = "cnn"  # the global model: a small CNN, or the CIFAR ResNet-18
+    # The global model (docs/guides/bring-your-own-model.md): "cnn" (a small CNN), "resnet18" (the CIFAR ResNet-18),
+    # "torchvision:<builder>" (a classification builder of torchvision.models, weights=None, num_classes from the
+    # schema) or "package.module:factory" (factory(num_classes, channels, image_size) -> torch.nn.Module, installed on
+    # every node); data.image_size and data.channels are its input.
+    model: str = "cnn"
     algorithm: str = "fedavg"  # the federated algorithm (docs/algorithms.md); FedEAS is generation.policy
     rounds: int = 20  # T, communication rounds
     fraction: float = 1.0  # share of the clients sampled each round
@@ -173,8 +178,9 @@ class TrainConfig(Section):
     precision: str = "fp32"  # "bf16" / "fp16": autocast on a GPU (fp16 with a GradScaler); fp32 everywhere by default
     optimizer: str = "sgd"  # the clients' local optimizer, fresh each round: sgd (lr, momentum, weight_decay), adam, adamw
     lr_schedule: str = "constant"  # the clients' lr over rounds: constant, cosine (to 0 at the last round), step (x0.1 at 1/2, 3/4)
-    # A safetensors file of initial weights present on every node (e.g. ImageNet weights the operator has), checked by
-    # its SHA-256 at registration; None: seeded random initialisation.
+    # A safetensors file of the built model's initial weights (its state_dict's names and shapes, strictly): read by the
+    # coordinator alone, which records its SHA-256 in coordinator.json and sends it as round 1's global model (clients
+    # need no copy); None: seeded random initialisation.
     init_weights: str | None = None
     # How the round's updates become the new global model: the N_k-weighted mean, or a robust rule (docs/security.md):
     # the coordinate-wise median, the trimmed mean, Krum or Multi-Krum. The robust rules hold the round's updates.
@@ -190,7 +196,7 @@ class TrainConfig(Section):
         self.non_empty("init_weights")
         self.one_of("aggregation", AGGREGATIONS)
         self.parameters_of(self.aggregation, "aggregation_params", AGGREGATION_PARAMS)
-        self.one_of("model", MODELS)
+        self.model_spec("model", CLASSIFIER_MODELS, internal=UNET_MODELS)
         self.one_of("algorithm", ALGORITHMS)
         self.at_least(1, "rounds", "batch_size", "local_epochs", "eval_batch_size")
         self.within("fraction", 0, 1, low_open=True)
@@ -443,6 +449,10 @@ class RunConfig(Section):
                               f"got {self.train.algorithm!r}: a robust rule replaces the weighted mean of the models only, "
                               "and this algorithm's server side is more than that (SCAFFOLD's control variates, FedGen's "
                               "generator, FedMix's mean images, SDA-FL's synthetic set and pseudo-labels, ddpm's generator)")
+        if self.train.algorithm == "scaffold" and self.train.optimizer != "sgd":  # docs/guides/gpus.md, "Local optimizer"
+            raise ConfigError(f"train.optimizer = {self.train.optimizer!r} with train.algorithm = \"scaffold\": SCAFFOLD's "
+                              "control variates divide a round's move by the lr and the steps of (heavy-ball) SGD, which "
+                              "an Adam step is not a multiple of; use train.optimizer = \"sgd\"")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

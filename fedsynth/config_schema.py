@@ -22,9 +22,14 @@ DATASETS = ("digits", "cifar10", "cifar100", "npz")  # fedsynth.learning.data
 POLICIES = ("none", "fedeas", "uniform", "missing", "full")  # fedsynth.allocation
 PARTITIONS = ("dirichlet", "iid")  # fedsynth.learning.partition
 ACCOUNTANTS = ("rdp", "prv")  # generator_service.dpgan (Opacus accountants)
-# fedsynth.learning.models.build_model; the unet-* models are the class-conditional DDPM UNet of each generator size
-# (fedsynth.learning.unet), trained by the "ddpm" algorithm (`fedsynth generator federate`)
-MODELS = ("cnn", "resnet18", "unet-tiny", "unet-small", "unet-half", "unet-ddpm-cifar")
+# train.model's built-in classifiers (fedsynth.learning.models.build_model); beside them train.model takes
+# torchvision:<builder> and package.module:factory (model_form below: their syntax, nothing imported).
+CLASSIFIER_MODELS = ("cnn", "resnet18")
+# The class-conditional DDPM UNet of each generator size (fedsynth.learning.unet): trained only by the "ddpm" algorithm
+# (`fedsynth generator federate` sets train.model to one), so train.model accepts them but its error never lists them.
+UNET_MODELS = ("unet-tiny", "unet-small", "unet-half", "unet-ddpm-cifar")
+MODELS = CLASSIFIER_MODELS + UNET_MODELS  # every built-in name build_model knows
+TORCHVISION_PREFIX = "torchvision:"  # train.model = "torchvision:<builder>": a classification builder of torchvision.models
 GENERATOR_BACKENDS = ("ddpm", "holdout", "text2image")  # generator_service.backends; holdout: real held-out images
 GENERATOR_SIZES = ("tiny", "small", "half", "ddpm-cifar")  # fedsynth.learning.unet.SIZES
 # `generator train`'s default AdamW lr by size. 2e-3 trains the two CPU sizes in few steps; at 2e-3 "half" collapsed on
@@ -58,6 +63,21 @@ BUILTIN_SCHEMAS: dict[str, tuple[tuple[str, ...], int, int]] = {
     "cifar100": (CIFAR100_CLASSES, 32, 3),
 }
 MAX_EXPONENT = 2.0  # generation.exponent / plan --exponent: past (N_k / C)^2 no generator could fill a budget
+
+
+def model_form(value: str, builtins: tuple[str, ...] = MODELS) -> str | None:
+    """The form of a train.model value by its syntax alone: "builtin" (one of `builtins`), "torchvision"
+    (torchvision:IDENTIFIER), "factory" (a dotted module path of identifiers, a colon, an identifier), or None."""
+    if value in builtins:
+        return "builtin"
+    module, colon, attr = value.partition(":")
+    if not colon or not attr.isidentifier():
+        return None
+    if module == TORCHVISION_PREFIX[:-1]:
+        return "torchvision"
+    if all(part.isidentifier() for part in module.split(".")):
+        return "factory"
+    return None
 
 
 @dataclass(frozen=True)
@@ -235,6 +255,13 @@ class Section:
     def one_of(self, name: str, choices: tuple[str, ...]) -> None:
         if getattr(self, name) not in choices:
             self._fail(name, f"one of {', '.join(choices)}")
+
+    def model_spec(self, name: str, builtins: tuple[str, ...], internal: tuple[str, ...] = ()) -> None:
+        """A built-in model name, torchvision:<builder> or package.module:factory, by syntax alone (nothing is
+        imported); `internal` names are accepted too but never listed in the error."""
+        value = getattr(self, name)
+        if value not in internal and model_form(value, builtins) is None:
+            self._fail(name, f"{', '.join(builtins)}, {TORCHVISION_PREFIX}<builder> or package.module:factory")
 
     def non_empty(self, *names: str) -> None:
         for name in names:

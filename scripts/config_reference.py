@@ -52,7 +52,7 @@ NOT_RULES = {"key", "check", "_fail"}  # Section methods that state no range
 class Rule:
     """One range or choice rule on a key, as the Section helper that enforces it was called."""
 
-    kind: str  # at_least, above, within, one_of, non_empty, address, bounded, parameters_of
+    kind: str  # at_least, above, within, one_of, model_spec, non_empty, address, bounded, parameters_of
     low: float | None = None
     high: float | None = None
     low_open: bool = False
@@ -75,6 +75,8 @@ class Rule:
             return "HOST:PORT, port 1..65535"
         if self.kind == "bounded":
             return str(self.bound)
+        if self.kind == "model_spec":  # choices: the built-in names listed to users
+            return ", ".join(f"`{choice}`" for choice in self.choices) + ", `torchvision:<builder>` or `package.module:factory`"
         if self.kind == "parameters_of":  # choices: the key whose table of parameters it is
             what = "rule" if self.choices == ("aggregation_params",) else "algorithm"
             return f"the chosen {what}'s parameters ([below](#train{self.choices[0] if self.choices else 'algorithm_params'}))"
@@ -108,6 +110,9 @@ class RuleRecorder:
 
     def one_of(self, name: str, choices: tuple[str, ...]) -> None:
         self.rules[name].append(Rule("one_of", choices=tuple(choices)))
+
+    def model_spec(self, name: str, builtins: tuple[str, ...], internal: tuple[str, ...] = ()) -> None:
+        self.rules[name].append(Rule("model_spec", choices=tuple(builtins)))  # internal names are never listed
 
     def non_empty(self, *names: str) -> None:
         for name in names:

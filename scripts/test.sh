@@ -24,6 +24,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/pip install -q --upgrade pip
 .venv/bin/pip install -q -e '.[dev]'
+# tests/test_any_model.py: a user's model package (train.model = "byo_model:tiny_net"), installed as any user's is.
+.venv/bin/pip install -q ./tests/fixtures/byo_model
 
 # tests/test_prometheus.py and tests/test_metrics_tls.py: a real Prometheus scrapes real processes.
 bash scripts/install_prometheus.sh >/dev/null

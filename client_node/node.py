@@ -379,7 +379,7 @@ class LogicalClient:
         update = self.algorithm.client_update(
             model=self.model,
             data=self.state.data,
-            cfg=replace(local_train_config(cfg), should_stop=self.stop.is_set),
+            cfg=replace(local_train_config(cfg, task.round), should_stop=self.stop.is_set),
             server_extra={**groups.get("extra", {}), **self._shared_synthetic(groups.get("synthetic")), **self._mean_pool(groups.get("mean"))},
             client_state=self.state.algorithm_state,
             generator=round_generator(cfg, self.client_id, task.round),

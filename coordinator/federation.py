@@ -84,6 +84,11 @@ class Federation:
             from fedsynth.learning.unet import load_initial_weights
 
             load_initial_weights(model, Path(cfg.federate.init))
+        self.init_weights: dict[str, str] | None = None  # train.init_weights' {"path", "sha256"} (coordinator.json)
+        if cfg.train.init_weights is not None:  # round 1's global model: the operator's file (clients need no copy)
+            from fedsynth.learning.models import load_init_weights
+
+            self.init_weights = load_init_weights(model, Path(cfg.train.init_weights))
         self.state = RunState(model, algorithm, run_id=self.run_id, seed=cfg.seed)
         wire = cfg.runtime.wire_dtype
         self.update_layout = update_layout(wire_dtype.expected_layout(self.state.layout, wire),
@@ -174,6 +179,23 @@ class Federation:
         with self.lock:
             self.registry.refused.add(client_id)
             self.lock.notify_all()
+
+    def release(self, client_ids: Iterable[int], reason: str) -> list[int]:
+        """The launcher: these clients' processes are gone. Not waited for at registration nor in the open round; not
+        sampled again until one registers again. WireError for an id outside this run's 0..K-1."""
+        ids = sorted(set(client_ids))
+        outside = [c for c in ids if not 0 <= c < self.cfg.data.clients]
+        if outside or not ids:
+            raise WireError(f"ReleaseClients names client ids {outside or '(none)'}; this run has clients 0..{self.cfg.data.clients - 1}")
+        reason = reason[:500]
+        log.warning("clients %s released: %s", ids, reason)
+        with self.lock:
+            released = self.registry.release(ids, reason)
+            rnd = self.driver.current
+            if rnd is not None:
+                rnd.gone |= {c for c in ids if rnd.awaits(c)}
+            self.lock.notify_all()
+        return released
 
     def open_stream(self, client_id: int, session: str) -> queue.Queue[Any]:
         with self.lock:

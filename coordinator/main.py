@@ -19,6 +19,7 @@ from fedsynth.config import load_config
 from fedsynth.errors import ConfigError, QuorumError
 from fedsynth.process.provenance import provenance
 from fedsynth.process.metrics import add_metrics_arguments, linger_for_final_scrape, serve_metrics_from_args
+from fedsynth.learning.hardware import resolve_hardware
 from fedsynth.learning.partition import check_partition
 from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_INTERNAL, EXIT_OK, setup_logging, write_atomic, write_json
 
@@ -48,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.set)
     if cfg.data.source == "split":  # local mode: the clients hold their own data, nothing to split
         check_partition(cfg)  # an impossible split fails here, in seconds, before the server binds
+    resolve_hardware(cfg.train.device, cfg.train.precision)  # "cuda" on a machine without one: refused before it binds
     torch.set_num_threads(cfg.runtime.torch_threads)
     out_dir = Path(args.out_dir or cfg.out_dir)
     version = provenance()  # the code that plays this run, read before it starts (a checkout may change meanwhile)
@@ -100,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
             "run_id": federation.run_id,
             "version": version,
             "config": cfg.to_dict(),
+            "init_weights": federation.init_weights,  # train.init_weights' {"path", "sha256"}, or null
             "initial": federation.initial,
             "rounds": federation.history,
             "generation": {str(k): v for k, v in sorted(federation.generation_reports().items())},

@@ -47,7 +47,7 @@ class CoordinatorMetrics:
             "fedsynth_coordinator_data_plane_closed_connections_total",
             "Data-plane connections closed before their request was whole: 'deadline' (no TLS handshake and request header "
             "within a second), 'over_cap' (too many from one address, or in all, at once), 'error' (an unexpected error in "
-            "admission: logged)", ["reason"], **kw
+            "admission: logged), 'queue_full' and 'queue_deadline' (admitted, then refused by the transfer queue)", ["reason"], **kw
         )
         self.clients_registered = Gauge("fedsynth_coordinator_clients_registered", "Clients registered", **kw)
         self.clients_connected = Gauge("fedsynth_coordinator_clients_connected", "Clients with an open dispatch stream", **kw)

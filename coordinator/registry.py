@@ -49,6 +49,7 @@ class ClientRegistry:
         self.max_samples = max_samples  # data.max_samples_per_client: the largest N_k (aggregation weight) admitted; 0 = any
         self.clients: dict[int, ClientRecord] = {}
         self.refused: set[int] = set()  # clients whose data does not fit the run (schema check): not waited for
+        self.released: dict[int, str] = {}  # clients whose process is gone (the launcher said so): why; not waited for
         self.finished: Finished | None = None
 
     def check_claim(self, client_id: int, run_id: str) -> None:
@@ -106,10 +107,24 @@ class ClientRegistry:
                 record.generation = old.generation
                 self._close_outbox(old)
             self.clients[client_id] = record
+            self.released.pop(client_id, None)  # back: sampled again
             self.metrics.clients_registered.set(len(self.clients))
             self.lock.notify_all()
         log.info("client %d registered (N_k=%d, FedEAS images %d)", client_id, num_samples, fedeas_images)
         return record.session
+
+    def release(self, client_ids: Iterable[int], reason: str) -> list[int]:
+        """The processes of these clients are gone: not waited for at registration, their streams closed, not sampled
+        until they register again. The ids, checked by the caller, are this run's."""
+        with self.lock:
+            for client_id in client_ids:
+                self.released[client_id] = reason
+                self.refused.add(client_id)  # the registration wait counts it as settled
+                record = self.clients.get(client_id)
+                if record is not None:
+                    self._close_outbox(record)
+            self._count_connected()
+            return sorted(client_ids)
 
     def record(self, client_id: int, session: str) -> ClientRecord:
         record = self.clients.get(client_id)

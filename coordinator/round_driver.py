@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import logging
 import secrets
@@ -41,7 +42,8 @@ from fedsynth.config import RunConfig
 from fedsynth.errors import QuorumError, WireError
 from fedsynth.process.runtime import EXIT_BELOW_QUORUM, EXIT_ERROR, EXIT_INTERNAL, EXIT_OK, lower_thread_priority
 from fedsynth.wire.tensor_buffer import encode_parts, encode_to_buffer
-from fedsynth.learning.training import TrainData, evaluate
+from fedsynth.learning.hardware import resolve_hardware
+from fedsynth.learning.training import DeviceEvaluator, TrainData
 from fedsynth.wire.transfer import PreparedPayload, prepare
 
 log = logging.getLogger(__name__)
@@ -233,8 +235,8 @@ class RoundDriver:
         k = self.cfg.data.clients
         m = clients_per_round(self.cfg)
         drawn = sorted(int(c) for c in state.rng.choice(k, size=m, replace=False))
-        with self.lock:  # an excluded client is drawn as before (the draws of the others stay the same) but sent nothing
-            sampled = [c for c in drawn if c not in self.refusals.excluded]
+        with self.lock:  # an excluded or released client is drawn as before (the others' draws stay the same), sent nothing
+            sampled = [c for c in drawn if c not in self.refusals.excluded and c not in self.registry.released]
         global_state = self._closed_state if self._closed_state is not None else snapshot_state(state.model)
         self._closed_state = None
         payload = self._task_payload(global_state, with_images=False)
@@ -280,7 +282,7 @@ class RoundDriver:
         if self.fedgen is not None:  # FedGen: train the feature generator on this round's heads (goes out next round)
             with self.lock:
                 counts = {c: r.label_counts for c, r in self.registry.clients.items()}
-            state.server_state, fedgen_summary = self.fedgen.after_aggregation(state.server_state, counts, number)
+            state.server_state, fedgen_summary = self.fedgen.after_aggregation(state.server_state, counts, number, device=self.device)
             sdafl_summary = {**sdafl_summary, **fedgen_summary}
         state.completed = number
         closed = ClosedRound(rnd, closed_at, state.snapshot(self.sdafl), sdafl_summary, members)
@@ -420,11 +422,21 @@ class RoundDriver:
                      figures["p10_accuracy"])
 
     def _evaluate(self, model: torch.nn.Module) -> tuple[float, float]:
-        """(loss, accuracy) on the test set; an algorithm with an `evaluate` of its own (the generator's) decides."""
+        """(loss, accuracy) on the test set, on train.device at train.precision (a replica of the CPU model there); an
+        algorithm with an `evaluate` of its own (the generator's: federate.device) decides."""
         own = getattr(self.algorithm, "evaluate", None)
         if own is not None:
             return own(model, self.test_data, self.cfg.train.eval_batch_size)  # type: ignore[no-any-return]
-        return evaluate(model, self.test_data, self.cfg.train.eval_batch_size)
+        return self._device_evaluate(model, self.test_data, self.cfg.train.eval_batch_size)
+
+    @functools.cached_property
+    def device(self) -> torch.device:
+        """train.device on this coordinator (coordinator.main has checked it before the server bound)."""
+        return resolve_hardware(self.cfg.train.device, self.cfg.train.precision)
+
+    @functools.cached_property
+    def _device_evaluate(self) -> DeviceEvaluator:
+        return DeviceEvaluator(self.device, self.cfg.train.precision)
 
     def participation(self, history: list[dict[str, Any]] | None = None) -> tuple[dict[int, int], dict[int, int]]:
         """(rounds each client was sampled in, each registered client's N_k): what per-client privacy accounting needs.

@@ -45,6 +45,7 @@ class RoundInProgress:
     folding: int = 0
     fold_errors: list[str] = field(default_factory=list)
     receiving: set[int] = field(default_factory=set)  # clients whose upload for this round is under way (one each)
+    gone: set[int] = field(default_factory=set)  # sampled clients whose process is gone (ReleaseClients): not waited for
     # Set once every sampled client has its task (or the round is over): the last round's test pass waits for it
     dispatched: threading.Event = field(default_factory=threading.Event)
     _sampled: frozenset[int] = field(init=False, repr=False)
@@ -66,12 +67,12 @@ class RoundInProgress:
 
     @property
     def pending(self) -> set[int]:
-        return set(self.sampled) - set(self.answered) - set(self.refused)
+        return set(self.sampled) - set(self.answered) - set(self.refused) - self.gone
 
     @property
     def complete(self) -> bool:
-        """Every sampled client answered or had its update refused (answers come only from sampled clients)."""
-        return len(self.answered) + len(self.refused) >= len(self.sampled)
+        """Every sampled client answered, had its update refused or is gone (answers come only from sampled clients)."""
+        return not self.pending
 
     def ticket_for(self, client_id: int) -> bytes:
         """This client's data-plane ticket for the round (one per client, issued on its first delivery): a 128-bit
@@ -84,7 +85,8 @@ class RoundInProgress:
 
     def awaits(self, client_id: int) -> bool:
         """This client was sampled and has not answered yet: O(1), called once per update at K = 100 and more."""
-        return client_id in self._sampled and client_id not in self.answered and client_id not in self.refused
+        return (client_id in self._sampled and client_id not in self.answered and client_id not in self.refused
+                and client_id not in self.gone)
 
     @property
     def expired(self) -> bool:

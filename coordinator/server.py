@@ -31,6 +31,9 @@ CLAIMED_CLIENT_ID: dict[str, tls.ClaimedClientId] = {
     "SubmitEvaluation": lambda request: request.client_id,
 }
 
+# With mutual TLS, only an operator certificate (the launcher's) may call these.
+OPERATOR_ONLY = frozenset({"ReleaseClients"})
+
 # Flow control for uploads: each SubmitUpdate stream may have at most this many unread bytes buffered in gRPC. A stream
 # waiting for a receive slot (coordinator.receive_slots) is not read; without a bound, gRPC's BDP probe grows every
 # stream's window until a whole upload or more can sit in its buffers, per stream, besides the buffer the update is
@@ -84,7 +87,7 @@ def create_server(
     server = grpcutil.make_server(max_workers=workers, max_concurrent_rpcs=workers + MAX_WATCHERS,
                                   extra_options=UPLOAD_FLOW_CONTROL_OPTIONS)
     servicer = CoordinatorServicer(federation, cfg.runtime.heartbeat_s)
-    add_strictly(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, security.guard(servicer, CLAIMED_CLIENT_ID), server,
+    add_strictly(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, security.guard(servicer, CLAIMED_CLIENT_ID, OPERATOR_ONLY), server,
                  parsers={"SubmitUpdate": parsing_chunks(coordinator_pb2.UpdateChunk.FromString)})  # chunks as views: no copies
     health_servicer = grpcutil.add_health(server, SERVICE_NAME)
 

@@ -260,6 +260,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             _abort_for(context, exc)
         return pb.SetupFailureReply()
 
+    def ReleaseClients(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:
+        try:
+            released = self.federation.release(list(request.client_ids), request.reason)
+        except (WireError, StateError) as exc:
+            _abort_for(context, exc)
+        return pb.ReleaseReply(released=released)
+
     def WatchRounds(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.RoundSummary]:
         if not self._watchers.acquire(blocking=False):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_WATCHERS} WatchRounds streams are open already")

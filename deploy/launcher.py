@@ -76,6 +76,7 @@ class Launcher:
         self.scoring_s = 0.0  # scoring the generator after the run: not part of the run's wall-clock
         self.interrupted = False  # a stop signal arrived while scoring: the run's report is still written
         self._following = False
+        self._coordinator_stub: pb_grpc.CoordinatorStub | None = None  # while following: to release failed clients
         self.abandoned: Child | None = None  # every client node exited, this one first with an error
         self.failures: list[dict[str, object]] = []  # children that exited non-zero on their own, in that order
         # runtime.tls_dir: every role over mutual TLS, the launcher itself as `operator`; else plaintext on this machine.
@@ -172,6 +173,7 @@ class Launcher:
         bar = tqdm(total=total, desc="rounds", unit="round", disable=self.args.no_progress, file=sys.stderr)
         limit = self.cfg.runtime.registration_timeout_s + total * (self.cfg.runtime.round_timeout_s + 60)
         call = stub.WatchRounds(pb.WatchRequest(), timeout=limit, wait_for_ready=True)
+        self._coordinator_stub = stub
         self._following = True
         watchdog = threading.Thread(target=self._watch_children, args=(call,), name="watchdog", daemon=True)
         watchdog.start()
@@ -195,6 +197,7 @@ class Launcher:
             return False
         finally:
             self._following = False
+            self._coordinator_stub = None
             bar.close()
             channel.close()
         return False
@@ -207,7 +210,25 @@ class Launcher:
             if code not in (None, 0) and child.pid not in reported:
                 failure = ChildFailed(child, code, f"exited with code {code}:\n  {log_tail(child)}").describe()
                 self.failures.append(failure)
-                log.error("%s (pid %d) exited with code %s; see %s", child.role, child.pid, code, child.log_path)
+                last = log_tail(child, lines=1)
+                log.error("%s (pid %d) exited with code %s: %s (see %s)", child.role, child.pid, code, last, child.log_path)
+                if child.role.startswith("client-"):
+                    self._release(child, f"{child.role} exited with code {code}: {last}")
+
+    def _release(self, child: Child, reason: str) -> None:
+        """Tell the coordinator that the clients of a failed client node are gone: it stops waiting for them (at
+        registration, in the open round) instead of waiting out its deadlines. Best effort: the run's own deadlines
+        remain the bound."""
+        stub = self._coordinator_stub
+        if stub is None:
+            return
+        lo, _, hi = child.role.removeprefix("client-").partition("-")
+        ids = list(range(int(lo), int(hi or lo) + 1))
+        try:
+            stub.ReleaseClients(pb.ReleaseRequest(client_ids=ids, reason=reason), timeout=10.0)
+        except grpc.RpcError as exc:
+            log.warning("could not tell the coordinator that clients %s are gone: %s", ids,
+                        exc.details() if isinstance(exc, grpc.Call) else exc)
 
     def wait_for_exits(self, timeout_s: float) -> int:
         """The coordinator's exit code once it has exited; then the clients (told by RunFinished) get a few
@@ -341,6 +362,10 @@ def run(args: argparse.Namespace) -> int:
         check_local_dir(cfg)  # a missing folder or another schema fails here, not in a client node
     else:
         check_partition(cfg)  # an impossible split fails here, in seconds, not in every client node
+    if (cfg.train.device, cfg.train.precision) != ("cpu", "fp32"):  # every process runs here: "cuda" without a GPU fails now
+        from fedsynth.learning.hardware import resolve_hardware  # torch loads only where a GPU may be asked for
+
+        resolve_hardware(cfg.train.device, cfg.train.precision)
     out_dir = Path(args.out_dir or cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "config.json", cfg.to_dict())

@@ -182,6 +182,16 @@ def test_a_client_certificate_cannot_claim_another_client_id(guarded: tuple[str,
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED and "operator" in str(error.details())
 
 
+def test_only_the_operator_may_release_clients(guarded: tuple[str, Path], pki: Path) -> None:
+    address, _ = guarded
+    request = pb.ReleaseRequest(client_ids=[0], reason="client-0 exited")
+    error = refusal(address, node_credentials(pki, "client-1"), "ReleaseClients", request)
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert error.details() == "ReleaseClients is the operator's (the launcher's); the caller's certificate is client-1's"
+    error = refusal(address, node_credentials(pki, "operator"), "ReleaseClients", pb.ReleaseRequest(client_ids=[99]))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()  # past the guard: the operator's own mistake
+
+
 def test_revoked_certificates_are_refused_on_every_call(guarded: tuple[str, Path], pki: Path) -> None:
     address, revoked = guarded
     error = refusal(address, node_credentials(pki, "client-2"), "GetRunSpec", pb.GetRunSpecRequest())

@@ -347,3 +347,17 @@ class SetupFailure(_message.Message):
 class SetupFailureReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("client_ids", "reason")
+    CLIENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    client_ids: _containers.RepeatedScalarFieldContainer[int]
+    reason: str
+    def __init__(self, client_ids: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, released: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -84,6 +84,11 @@ class CoordinatorStub:
                 request_serializer=fedsynth_dot_v1_dot_coordinator__pb2.SetupFailure.SerializeToString,
                 response_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.SetupFailureReply.FromString,
                 _registered_method=True)
+        self.ReleaseClients = channel.unary_unary(
+                '/fedsynth.v1.Coordinator/ReleaseClients',
+                request_serializer=fedsynth_dot_v1_dot_coordinator__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.ReleaseReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -164,6 +169,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseClients(self, request, context):
+        """The launcher (under mutual TLS: an operator certificate only): the processes of these clients are gone (one exited
+        before or after registering); the coordinator stops waiting for them, at registration and in the open round, and
+        samples them no more until one registers again. Ids outside 0..K-1 are refused INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -216,6 +230,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ReportSetupFailure,
                     request_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.SetupFailure.FromString,
                     response_serializer=fedsynth_dot_v1_dot_coordinator__pb2.SetupFailureReply.SerializeToString,
+            ),
+            'ReleaseClients': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseClients,
+                    request_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.ReleaseRequest.FromString,
+                    response_serializer=fedsynth_dot_v1_dot_coordinator__pb2.ReleaseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -488,6 +507,33 @@ class Coordinator:
             '/fedsynth.v1.Coordinator/ReportSetupFailure',
             fedsynth_dot_v1_dot_coordinator__pb2.SetupFailure.SerializeToString,
             fedsynth_dot_v1_dot_coordinator__pb2.SetupFailureReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseClients(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedsynth.v1.Coordinator/ReleaseClients',
+            fedsynth_dot_v1_dot_coordinator__pb2.ReleaseRequest.SerializeToString,
+            fedsynth_dot_v1_dot_coordinator__pb2.ReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -254,10 +254,12 @@ class _Guarded:
     `claims` a client certificate whose node id is the claimed client id. A response stream is checked again before
     each message, so revoking a node also ends the streams it already holds open."""
 
-    def __init__(self, servicer: object, revoked: RevocationList | None, claims: Mapping[str, ClaimedClientId]) -> None:
+    def __init__(self, servicer: object, revoked: RevocationList | None, claims: Mapping[str, ClaimedClientId],
+                 operator_only: frozenset[str] = frozenset()) -> None:
         self._servicer = servicer
         self._revoked = revoked
         self._claims = dict(claims)
+        self._operator_only = operator_only
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._servicer, name)
@@ -267,6 +269,10 @@ class _Guarded:
 
         def guarded(request: Any, context: grpc.ServicerContext) -> Any:
             peer = self._admit(name, context)
+            if name in self._operator_only and peer.role != "operator":
+                message = f"{name} is the operator's (the launcher's); the caller's certificate is {peer.node_id}'s"
+                log.warning("%s refused: %s", name, message)
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
             if claim is not None:
                 if isinstance(request, Message):
                     self._check_claim(name, peer, claim(request), context)
@@ -327,9 +333,11 @@ class ServerSecurity:
     def credentials(self) -> grpc.ServerCredentials | None:
         return None if self.files is None else server_credentials(self.files, require_client_auth=True)
 
-    def guard(self, servicer: object, claims: Mapping[str, ClaimedClientId] | None = None) -> Any:
-        """The servicer itself in plaintext mode; with TLS, a view that checks each RPC's caller first."""
-        return servicer if self.files is None else _Guarded(servicer, self.revoked, claims or {})
+    def guard(self, servicer: object, claims: Mapping[str, ClaimedClientId] | None = None,
+              operator_only: frozenset[str] = frozenset()) -> Any:
+        """The servicer itself in plaintext mode; with TLS, a view that checks each RPC's caller first (`operator_only`:
+        methods only an operator certificate may call)."""
+        return servicer if self.files is None else _Guarded(servicer, self.revoked, claims or {}, operator_only)
 
     def bind_host(self, explicit: str | None, configured: str | None = None) -> str:
         """With TLS: the --host flag, else the configured host. Plaintext binds 127.0.0.1 unless --host says otherwise."""

@@ -89,6 +89,22 @@ def test_an_update_with_an_extra_tensor_costs_its_sender_not_the_run(aggregation
                                                                                      final_accuracy(honest_extra))
 
 
+def test_scaffold_control_variates_of_int64_giants_are_refused_and_the_model_survives(tmp_path: Path,
+                                                                                     honest_extra: dict[str, Any]) -> None:
+    """Before: every delta c_i an int64 of 2^62 passed every check and SCAFFOLD's run "completed" at 0.078 on digits."""
+    with Runtime(tmp_path) as rt:
+        coordinator = rt.coordinator({**EXTRA, "train.algorithm": "scaffold"}, tmp_path / "run")
+        honest = rt.clients(coordinator.address, "0-2")
+        attack_node(rt, coordinator.address, str(HOSTILE), {HOSTILE: "giant-delta-c"})
+        assert coordinator.wait(300) == 0, coordinator.log()[-3000:]
+        assert wait_exit(honest, 60) == 0
+        record = read_record(tmp_path / "run")
+    assert [(e["round"], e["reason"]) for e in record["refused_updates"]] == [(1, "dtype"), (2, "dtype"), (3, "dtype")]
+    assert "extra tensors: tensor" in record["refused_updates"][0]["message"] and "torch.int64" in record["refused_updates"][0]["message"]
+    print(f"scaffold with the int64 client refused: final accuracy {final_accuracy(record):.4f}")
+    assert final_accuracy(record) > final_accuracy(honest_extra) - 0.15  # SCAFFOLD without client 3's data, not destroyed
+
+
 # ---- one federation, many attackers ----------------------------------------------------------------------------
 
 # Clients 0-2 honest; 3-7 a client node whose updates are malformed in one way each; 8-17 wire-level attackers.

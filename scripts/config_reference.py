@@ -318,26 +318,26 @@ def render() -> str:
     out += ["", "## train.algorithm_params", "",
             "`train.algorithm_params` is a table of the chosen `train.algorithm`'s parameters; any other name is refused",
             "(`fedsynth run --set train.algorithm=fedprox --set train.algorithm_params.mu=0.01`). Left out, a",
-            "parameter keeps its default below.", "",
-            "| algorithm | parameter | range | default |", "|---|---|---|---|"]
-    for algorithm, params in ALGORITHM_PARAMS.items():
-        if not params:
-            out.append(f"| `{algorithm}` | (none) | | |")
-        for param, bound in params.items():
-            default = defaults[algorithm][param]
-            shown = "`data.clients`" if default is dataclasses.MISSING else f"`{toml_value(default)}`"
-            out.append(f"| `{algorithm}` | `{param}` | {bound} | {shown} |")
+            "parameter keeps its default below.", ""]
+    out += _parameters_table("algorithm", ALGORITHM_PARAMS, lambda algorithm, param: (
+        "`data.clients`" if defaults[algorithm][param] is dataclasses.MISSING else f"`{toml_value(defaults[algorithm][param])}`"))
     out += ["", "## train.aggregation_params", "",
             "`train.aggregation_params` is a table of the chosen `train.aggregation` rule's parameters; any other name is",
             "refused (`--set train.aggregation=trimmed_mean --set train.aggregation_params.beta=0.2`). Left out, a",
-            "parameter keeps its default below ([docs/security.md](../security.md#robust-aggregation)).", "",
-            "| rule | parameter | range | default |", "|---|---|---|---|"]
-    for rule, params in AGGREGATION_PARAMS.items():
-        if not params:
-            out.append(f"| `{rule}` | (none) | | |")
-        for param, bound in params.items():
-            out.append(f"| `{rule}` | `{param}` | {bound} | `{toml_value(AGGREGATION_DEFAULTS[rule][param])}` |")
+            "parameter keeps its default below ([docs/security.md](../security.md#robust-aggregation)).", ""]
+    out += _parameters_table("rule", AGGREGATION_PARAMS, lambda rule, param: f"`{toml_value(AGGREGATION_DEFAULTS[rule][param])}`")
     return "\n".join(out) + "\n"
+
+
+def _parameters_table(what: str, table: dict[str, dict[str, Bound]], shown_default: Any) -> list[str]:
+    """Rows of `| what | parameter | range | default |` for a table of named parameters and their bounds."""
+    rows = [f"| {what} | parameter | range | default |", "|---|---|---|---|"]
+    for name, params in table.items():
+        if not params:
+            rows.append(f"| `{name}` | (none) | | |")
+        for param, bound in params.items():
+            rows.append(f"| `{name}` | `{param}` | {bound} | {shown_default(name, param)} |")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

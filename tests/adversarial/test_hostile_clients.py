@@ -54,25 +54,18 @@ NOISE = 0.02  # the issue's bar: the attacked run ends within 2 points of the ru
 
 
 def play_extra(root: Path, settings: dict[str, Any], *, hostile: bool) -> dict[str, Any]:
+    """One node process hosts the four clients (one process start fewer a run), client 3 hostile when `hostile`."""
     with Runtime(root) as rt:
         coordinator = rt.coordinator({**EXTRA, **settings}, root / "run")
-        honest = rt.clients(coordinator.address, "0-2")
-        last = (attack_node(rt, coordinator.address, str(HOSTILE), {HOSTILE: "extra-tensor"}) if hostile
-                else rt.clients(coordinator.address, str(HOSTILE)))
+        node = (attack_node(rt, coordinator.address, "0-3", {HOSTILE: "extra-tensor"}) if hostile
+                else rt.clients(coordinator.address, "0-3"))
         assert coordinator.wait(300) == 0, coordinator.log()[-3000:]
-        assert wait_exit(honest, 60) == 0
-        code = wait_exit(last, 60)
-        return {**read_record(root / "run"), "last_exit": code, "last_log": last.log_path.read_text(errors="replace")}
-
-
-@pytest.fixture(scope="module")
-def honest_extra(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return play_extra(tmp_path_factory.mktemp("extra-honest"), {}, hostile=False)
+        code = wait_exit(node, 60)
+        return {**read_record(root / "run"), "last_exit": code, "last_log": node.log_path.read_text(errors="replace")}
 
 
 @pytest.mark.parametrize("aggregation", ["mean", "median", "trimmed_mean", "krum", "multi_krum"])
-def test_an_update_with_an_extra_tensor_costs_its_sender_not_the_run(aggregation: str, honest_extra: dict[str, Any],
-                                                                      tmp_path: Path) -> None:
+def test_an_update_with_an_extra_tensor_costs_its_sender_not_the_run(aggregation: str, tmp_path: Path) -> None:
     record = play_extra(tmp_path, {"train.aggregation": aggregation}, hostile=True)
     assert record["success"] and len(record["rounds"]) == EXTRA["train.rounds"]
     # refused in rounds 1-3 (runtime.max_refusals = 3 in a row), then excluded: round 4 went on without it
@@ -83,26 +76,24 @@ def test_an_update_with_an_extra_tensor_costs_its_sender_not_the_run(aggregation
     assert HOSTILE not in record["rounds"][3]["sampled"] and HOSTILE not in record["rounds"][0]["participants"]
     assert all(HOSTILE not in r["sampled"] for r in record["rounds"][3:])
     assert record["last_exit"] != 0 and "excluded from the run" in record["last_log"]  # it heard why, in one line
-    print(f"{aggregation}: final accuracy {final_accuracy(record):.4f} attacked, {final_accuracy(honest_extra):.4f} honest (mean)")
-    if aggregation == "mean":
-        assert abs(final_accuracy(record) - final_accuracy(honest_extra)) <= NOISE, (final_accuracy(record),
-                                                                                     final_accuracy(honest_extra))
+    print(f"{aggregation}: final accuracy {final_accuracy(record):.4f} with the client refused")
+    if aggregation == "mean":  # the default config: the run with that client honest ends within 2 points
+        honest = play_extra(tmp_path / "honest", {}, hostile=False)
+        print(f"mean: final accuracy {final_accuracy(honest):.4f} with every client honest")
+        assert abs(final_accuracy(record) - final_accuracy(honest)) <= NOISE, (final_accuracy(record), final_accuracy(honest))
 
 
-def test_scaffold_control_variates_of_int64_giants_are_refused_and_the_model_survives(tmp_path: Path,
-                                                                                     honest_extra: dict[str, Any]) -> None:
+def test_scaffold_control_variates_of_int64_giants_are_refused_and_the_model_survives(tmp_path: Path) -> None:
     """Before: every delta c_i an int64 of 2^62 passed every check and SCAFFOLD's run "completed" at 0.078 on digits."""
     with Runtime(tmp_path) as rt:
         coordinator = rt.coordinator({**EXTRA, "train.algorithm": "scaffold"}, tmp_path / "run")
-        honest = rt.clients(coordinator.address, "0-2")
-        attack_node(rt, coordinator.address, str(HOSTILE), {HOSTILE: "giant-delta-c"})
+        attack_node(rt, coordinator.address, "0-3", {HOSTILE: "giant-delta-c"})
         assert coordinator.wait(300) == 0, coordinator.log()[-3000:]
-        assert wait_exit(honest, 60) == 0
         record = read_record(tmp_path / "run")
     assert [(e["round"], e["reason"]) for e in record["refused_updates"]] == [(1, "dtype"), (2, "dtype"), (3, "dtype")]
     assert "extra tensors: tensor" in record["refused_updates"][0]["message"] and "torch.int64" in record["refused_updates"][0]["message"]
     print(f"scaffold with the int64 client refused: final accuracy {final_accuracy(record):.4f}")
-    assert final_accuracy(record) > final_accuracy(honest_extra) - 0.15  # SCAFFOLD without client 3's data, not destroyed
+    assert final_accuracy(record) > 0.6  # SCAFFOLD without client 3's data (measured ~0.8), not destroyed
 
 
 # ---- one federation, many attackers ----------------------------------------------------------------------------
@@ -113,12 +104,10 @@ WIRE_ATTACKS = {8: "old-protocol", 9: "lying-n", 10: "huge-header", 11: "nested-
                 13: "never-finishes", 14: "replay", 15: "stale-task", 16: "inf-report", 17: "lying-eval"}
 MANY = {"seed": 4, "data.clients": 18, "data.partition": "iid", "train.rounds": 3, "train.local_epochs": 1,
         "train.evaluation": "both", "data.max_samples_per_client": 1000, "runtime.quorum": 0.15,
-        "runtime.max_refusals": 2, "runtime.round_timeout_s": 20.0}
+        "runtime.max_refusals": 2, "runtime.round_timeout_s": 10.0}  # round 1 waits it out (the upload that never ends)
 
 
-@pytest.fixture(scope="module")
-def many(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("many-attackers")
+def play_many(root: Path) -> dict[str, Any]:
     moves = root / "moves.jsonl"
     with Runtime(root) as rt:
         coordinator = rt.coordinator(MANY, root / "run")
@@ -137,7 +126,17 @@ def moves_of(many: dict[str, Any], client: int) -> list[tuple[int, str, str]]:
     return [(m["round"], m["move"], m["code"]) for m in many["moves"] if m["client"] == client]
 
 
-def test_every_round_completes_with_the_honest_clients(many: dict[str, Any]) -> None:
+def test_many_attackers_in_one_federation(tmp_path: Path) -> None:
+    """One federation (one test, so that it is played once): the checks below, each on the same record."""
+    many = play_many(tmp_path)
+    every_round_completes_with_the_honest_clients(many)
+    malformed_updates_are_refused_by_name_and_their_senders_excluded(many)
+    wire_attacks_get_the_status_that_names_them(many)
+    stale_and_replayed_uploads_are_named_but_cost_nothing_more(many)
+    lying_evaluation_counts_are_left_out_of_the_federated_figures(many)
+
+
+def every_round_completes_with_the_honest_clients(many: dict[str, Any]) -> None:
     record = many["record"]
     assert record["success"] and record["exit_code"] == 0
     assert [r["round"] for r in record["rounds"]] == [1, 2, 3]
@@ -146,7 +145,7 @@ def test_every_round_completes_with_the_honest_clients(many: dict[str, Any]) -> 
     assert "Traceback" not in many["log"]
 
 
-def test_malformed_updates_are_refused_by_name_and_their_senders_excluded(many: dict[str, Any]) -> None:
+def malformed_updates_are_refused_by_name_and_their_senders_excluded(many: dict[str, Any]) -> None:
     record = many["record"]
     named = refused_clients(record)
     expected = {3: "layout", 4: "layout", 5: "dtype", 6: "non_finite", 7: "layout", 10: "header", 11: "header", 16: "report"}
@@ -156,7 +155,7 @@ def test_malformed_updates_are_refused_by_name_and_their_senders_excluded(many: 
     assert excluded == set(expected), excluded  # two refusals in a row each (runtime.max_refusals = 2)
 
 
-def test_wire_attacks_get_the_status_that_names_them(many: dict[str, Any]) -> None:
+def wire_attacks_get_the_status_that_names_them(many: dict[str, Any]) -> None:
     assert moves_of(many, 8)[0][1:] == ("register", "FAILED_PRECONDITION")  # an older release: refused by name
     old = next(m["details"] for m in many["moves"] if m["client"] == 8)
     assert "release before fedsynth 0.2.0" in old and "this coordinator runs fedsynth 0.2.0, protocol 2" in old, old
@@ -172,7 +171,7 @@ def test_wire_attacks_get_the_status_that_names_them(many: dict[str, Any]) -> No
     assert (1, "evaluation", "INVALID_ARGUMENT") in moves_of(many, 17)  # more examples than its test set
 
 
-def test_stale_and_replayed_uploads_are_named_but_cost_nothing_more(many: dict[str, Any]) -> None:
+def stale_and_replayed_uploads_are_named_but_cost_nothing_more(many: dict[str, Any]) -> None:
     record = many["record"]
     named = refused_clients(record)
     assert "stale" in named[14] and "stale" in named[15] and "duplicate" in named[12]
@@ -181,7 +180,7 @@ def test_stale_and_replayed_uploads_are_named_but_cost_nothing_more(many: dict[s
     assert {12, 14, 15} <= set(record["rounds"][-1]["participants"])
 
 
-def test_lying_evaluation_counts_are_left_out_of_the_federated_figures(many: dict[str, Any]) -> None:
+def lying_evaluation_counts_are_left_out_of_the_federated_figures(many: dict[str, Any]) -> None:
     for summary in many["record"]["rounds"]:
         per_client = summary["federated_evaluation"]["per_client"]
         assert "17" not in per_client

@@ -132,6 +132,9 @@ def test_a_node_of_an_older_release_or_another_model_is_refused_naming_both_side
         versions.check_node(1, versions.NodeVersion("", 0, ""), expected_digest=digest)
     with pytest.raises(versions.VersionRefused, match=r"client 2 runs fedsynth 9.0.0, protocol 9; this coordinator runs"):
         versions.check_node(2, versions.NodeVersion("9.0.0", 9, digest), expected_digest=digest)
+    with pytest.raises(versions.VersionRefused) as huge:  # a hostile release string is cut, not echoed whole
+        versions.check_node(2, versions.NodeVersion("x" * 4_000_000, 9, digest), expected_digest=digest)
+    assert len(str(huge.value)) < 300
     other = versions.layout_digest({**GLOBAL, "conv.weight": torch.zeros(4, 4)})
     with pytest.raises(versions.VersionRefused, match=rf"layout {other[:16]}, the coordinator's is {digest[:16]}"):
         versions.check_node(3, versions.NodeVersion(__version__, versions.PROTOCOL_VERSION, other), expected_digest=digest)

@@ -46,12 +46,13 @@ def registration_fields(state: dict[str, torch.Tensor]) -> dict[str, object]:
 def check_node(client_id: int, node: NodeVersion, *, expected_digest: str) -> None:
     """VersionRefused with one line naming both sides' releases and protocols, or both layout digests."""
     ours = f"fedsynth {__version__}, protocol {PROTOCOL_VERSION}"
+    release = node.fedsynth[:40] or "?"  # a peer's string: as much as a release name needs, in a status message
     if node.protocol not in SUPPORTED_PROTOCOLS:
-        theirs = (f"fedsynth {node.fedsynth or '?'}, protocol {node.protocol}" if node.protocol
+        theirs = (f"fedsynth {release}, protocol {node.protocol}" if node.protocol
                   else "a release before fedsynth 0.2.0 (protocol 1: it sends no version)")
         raise VersionRefused(f"client {client_id} runs {theirs}; this coordinator runs {ours}: run the coordinator's "
                              "release on the client node")
     if node.model_digest != expected_digest:
         raise VersionRefused(f"client {client_id} builds a model of layout {node.model_digest[:16] or '(none)'}, the "
                              f"coordinator's is {expected_digest[:16]}: train.model and data.image_size/channels must build "
-                             f"the same model on every node (client fedsynth {node.fedsynth}, coordinator {ours})")
+                             f"the same model on every node (client fedsynth {release}, coordinator {ours})")

@@ -137,19 +137,25 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown rule or case {unknown[0]!r}")
     base = {"data.clients": args.clients, "train.fraction": 1.0, "train.rounds": args.rounds}
-    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    for rule in rules:
-        settings = {**base, **RULES[rule]}
-        if rule == "trimmed_mean":
-            settings["train.aggregation_params"] = {"beta": args.trim_beta}
-        results[rule] = {}
-        for case in cases:
-            results[rule][case] = []
-            for seed in seeds:
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {rule: {case: [] for case in cases} for rule in rules}
+    # Seed outermost, so a benchmark stopped part-way has whole tables for its first seeds; a run's result is kept
+    # beside its folder and a rerun with the same --out skips it (resume).
+    for seed in seeds:
+        for rule in rules:
+            settings = {**base, **RULES[rule]}
+            if rule == "trimmed_mean":
+                settings["train.aggregation_params"] = {"beta": args.trim_beta}
+            for case in cases:
                 folder = args.out / rule / case / f"seed-{seed}"
-                raw_sets = args.set if args.config else [f"{key}={toml_value(value)}" for key, value in DEFAULTS.items()] + args.set
-                run = play(folder, args.config, raw_sets, {**settings, "seed": seed}, clients=args.clients,
-                           attack=None if case == "honest" else case, timeout_s=args.timeout_s)
+                kept = folder.with_name(f"seed-{seed}.json")
+                if kept.exists():
+                    run = json.loads(kept.read_text())
+                else:
+                    raw_sets = args.set if args.config else [f"{key}={toml_value(value)}" for key, value in DEFAULTS.items()] + args.set
+                    run = play(folder, args.config, raw_sets, {**settings, "seed": seed}, clients=args.clients,
+                               attack=None if case == "honest" else case, timeout_s=args.timeout_s)
+                    if "error" not in run:
+                        kept.write_text(json.dumps(run))
                 print(f"{rule:>12} {case:>9} seed {seed}: {run.get('final_accuracy', run.get('error'))}", flush=True)
                 results[rule][case].append({"seed": seed, **run})
     summary = {"clients": args.clients, "rounds": args.rounds, "seeds": seeds, "cases": cases, "settings": args.set,

@@ -31,8 +31,9 @@ CLAIMED_CLIENT_ID: dict[str, tls.ClaimedClientId] = {
     "SubmitEvaluation": lambda request: request.client_id,
 }
 
-# With mutual TLS, only an operator certificate (the launcher's) may call these.
-OPERATOR_ONLY = frozenset({"ReleaseClients"})
+# With mutual TLS, only an operator certificate (the launcher's) may call these: a client's certificate cannot hold
+# WatchRounds streams (each a worker thread) nor release other clients.
+OPERATOR_ONLY = frozenset({"ReleaseClients", "WatchRounds"})
 
 # Flow control for uploads: each SubmitUpdate stream may have at most this many unread bytes buffered in gRPC. A stream
 # waiting for a receive slot (coordinator.receive_slots) is not read; without a bound, gRPC's BDP probe grows every

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import stat
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -182,12 +183,46 @@ def test_a_client_certificate_cannot_claim_another_client_id(guarded: tuple[str,
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED and "operator" in str(error.details())
 
 
-def test_only_the_operator_may_release_clients(guarded: tuple[str, Path], pki: Path) -> None:
+def test_one_certificate_holds_at_most_two_upload_streams_open(guarded: tuple[str, Path], pki: Path) -> None:
+    address, _ = guarded
+    release = threading.Event()
+
+    def never_sends() -> Iterator[pb.UpdateChunk]:  # opens the stream, then holds it without a header
+        release.wait(60)
+        return
+        yield
+
+    with grpcutil.make_channel(address, node_credentials(pki, "client-1")) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        held = [stub.SubmitUpdate.future(never_sends(), timeout=RPC_TIMEOUT_S) for _ in range(2)]
+        time.sleep(1.0)  # both streams reach the server and take their slots
+        try:
+            error = refusal(address, node_credentials(pki, "client-1"), "SubmitUpdate", update_stream(1))
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+            assert error.details() == ("client-1 holds 2 upload streams open already (at most 2 per certificate; "
+                                       "SubmitUpdate)")
+            # another identity is not held back by client-1's streams
+            error = refusal(address, node_credentials(pki, "client-0"), "SubmitUpdate", update_stream(0))
+            assert error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+        finally:
+            release.set()
+        for future in held:  # a stream that ends without a header is refused by the servicer, and its slot freed
+            assert future.exception(timeout=30) is not None
+        error = refusal(address, node_credentials(pki, "client-1"), "SubmitUpdate", update_stream(1))
+        assert error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+
+
+def test_only_the_operator_may_release_clients_or_watch_rounds(guarded: tuple[str, Path], pki: Path) -> None:
     address, _ = guarded
     request = pb.ReleaseRequest(client_ids=[0], reason="client-0 exited")
     error = refusal(address, node_credentials(pki, "client-1"), "ReleaseClients", request)
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED
     assert error.details() == "ReleaseClients is the operator's (the launcher's); the caller's certificate is client-1's"
+    # a client's certificate cannot hold the progress streams either (each pins a worker thread): WatchRounds is bound to
+    # the operator's identity
+    error = refusal(address, node_credentials(pki, "client-1"), "WatchRounds", pb.WatchRequest())
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert error.details() == "WatchRounds is the operator's (the launcher's); the caller's certificate is client-1's"
     error = refusal(address, node_credentials(pki, "operator"), "ReleaseClients", pb.ReleaseRequest(client_ids=[99]))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()  # past the guard: the operator's own mistake
 

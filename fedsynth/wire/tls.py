@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import functools
 import ipaddress
 import itertools
@@ -247,6 +249,9 @@ class RevocationList:
 # A method name -> the client id its request claims (None when the message does not say; the servicer then refuses
 # the malformed request itself). For streaming requests the function gets the first message.
 ClaimedClientId = Callable[[Any], "int | None"]
+# Request streams (uploads) one certificate may hold open at once: its one upload of the round (a second of the same
+# round is refused by the servicer once its header arrives) and one more; each holds a server worker thread.
+STREAMS_PER_IDENTITY = 2
 
 
 class _Guarded:
@@ -260,6 +265,8 @@ class _Guarded:
         self._revoked = revoked
         self._claims = dict(claims)
         self._operator_only = operator_only
+        self._open: collections.Counter[str] = collections.Counter()  # request streams open, by certificate node id
+        self._open_lock = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._servicer, name)
@@ -273,17 +280,40 @@ class _Guarded:
                 message = f"{name} is the operator's (the launcher's); the caller's certificate is {peer.node_id}'s"
                 log.warning("%s refused: %s", name, message)
                 context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
-            if claim is not None:
-                if isinstance(request, Message):
+            if isinstance(request, Message):
+                if claim is not None:
                     self._check_claim(name, peer, claim(request), context)
-                else:
-                    first = next(request, None)
-                    self._check_claim(name, peer, None if first is None else claim(first), context)
-                    request = itertools.chain([] if first is None else [first], request)
-            reply = method(request, context)
+                reply = method(request, context)
+            else:  # a request stream (an upload): it holds a worker thread until it ends, so each identity has few
+                with self._stream_slot(name, peer, context):
+                    if claim is not None:
+                        first = next(request, None)
+                        self._check_claim(name, peer, None if first is None else claim(first), context)
+                        request = itertools.chain([] if first is None else [first], request)
+                    reply = method(request, context)
             return self._recheck(name, peer, reply, context) if isinstance(reply, Iterator) else reply
 
         return functools.wraps(method)(guarded)
+
+    @contextlib.contextmanager
+    def _stream_slot(self, method: str, peer: PeerIdentity, context: grpc.ServicerContext) -> Iterator[None]:
+        """One of the STREAMS_PER_IDENTITY request streams this certificate may hold open at once, or RESOURCE_EXHAUSTED."""
+        with self._open_lock:
+            held = self._open[peer.node_id]
+            if held < STREAMS_PER_IDENTITY:
+                self._open[peer.node_id] = held + 1
+        if held >= STREAMS_PER_IDENTITY:
+            message = (f"{peer.node_id} holds {held} upload streams open already (at most {STREAMS_PER_IDENTITY} per "
+                       f"certificate; {method})")
+            log.warning("%s refused: %s", method, message)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        try:
+            yield
+        finally:
+            with self._open_lock:
+                self._open[peer.node_id] -= 1
+                if not self._open[peer.node_id]:
+                    del self._open[peer.node_id]
 
     def _recheck(self, method: str, peer: PeerIdentity, replies: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
         try:

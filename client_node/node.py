@@ -359,7 +359,7 @@ class LogicalClient:
             started = time.monotonic()
             self.state.synthetic = synthesize(
                 cfg, self.client_id, self.state.real_y, self.num_classes, list(task.generation_quota), self.options, self.metrics,
-                stop=self.stop,
+                stop=self.stop, real_shape=(self.state.real_x.shape[3], *self.state.real_x.shape[1:3]),
             )
             x, y = self.state.real_x, self.state.real_y
             if self.state.synthetic.count:

@@ -57,7 +57,10 @@ def synthesize(
     options,
     metrics: ClientMetrics,
     stop: threading.Event | None = None,
+    real_shape: tuple[int, int, int] | None = None,
 ) -> SyntheticSet:
+    """This client's synthetic images for the round's quota; `real_shape` (channels, height, width) of its real images
+    is what the generator's must be."""
     counts = np.bincount(real_y, minlength=num_classes)
     quota = planned_quota(cfg, counts, assigned)
     if quota.sum() == 0:
@@ -74,6 +77,11 @@ def synthesize(
                 check_servers(address, options.tls_files, options.revoked, what="generator", timeout_s=60.0)
         if info.num_classes != num_classes:
             raise ConfigError(f"the generator at {options.generator} serves {info.num_classes} classes; this run has {num_classes}")
+        if real_shape is not None and tuple(info.image_shape) != real_shape:
+            made, mine = ("x".join(map(str, shape)) for shape in (info.image_shape, real_shape))
+            raise ConfigError(f"the generator at {options.generator} makes {made} images; this client's are {mine} "
+                              "(data.channels x data.image_size): FedEAS at this size needs a generator trained at it "
+                              "(docs/generator.md)")
         seed = client_seed(cfg, client_id, "generation")
         identity = {"model_id": info.model_id, "seed": seed, "image_shape": list(info.image_shape)}
         cache = SyntheticCache(options.cache_dir / f"client-{client_id:04d}", identity=identity, num_classes=num_classes)

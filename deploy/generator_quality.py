@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -11,6 +12,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from deploy.generator_setup import cache_root
 from deploy.processes import fedsynth_command
@@ -37,9 +40,42 @@ def cache_key(cfg: RunConfig, counters: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
 
 
+def folders_as_npz(cfg: RunConfig) -> Path:
+    """Local mode on one machine (the operator's test bench holds every client folder): the clients' training images
+    pooled, and data.test_dir's images (else the clients' test images pooled), at the run's size, as the train.npz and
+    test.npz the judge learns and is tested on; kept under $FEDSYNTH_CACHE/folders by the folders' file listing."""
+    from fedsynth.learning.data import ArrayDataset
+    from fedsynth.learning.federation_folders import pooled
+    from fedsynth.learning.label_schema import schema_of
+    from fedsynth.learning.local_data import load_test_dir
+
+    schema = schema_of(cfg.data)
+    assert schema is not None  # local mode needs the schema (DataConfig.check)
+    sources = [Path(str(cfg.data.local_dir)).resolve()] + ([Path(cfg.data.test_dir).resolve()] if cfg.data.test_dir else [])
+    listing = sorted((str(path), path.stat().st_size) for root in sources for path in root.rglob("*") if path.is_file())
+    identity = json.dumps({"schema": schema.digest(), "sources": [str(s) for s in sources], "files": listing})
+    folder = cache_root() / "folders" / hashlib.sha256(identity.encode()).hexdigest()[:20]
+    if (folder / "test.npz").is_file():
+        return folder
+    test: ArrayDataset = (load_test_dir(cfg.data.test_dir, schema) if cfg.data.test_dir
+                          else pooled(sources[0], schema, "test"))
+    splits = {"train": pooled(sources[0], schema, "train"), "test": test}
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, data in splits.items():  # test.npz last: its presence says the folder is whole
+        with tempfile.NamedTemporaryFile(dir=folder, suffix=".npz", delete=False) as handle:
+            np.savez(handle, x=data.x, y=data.y)
+        os.replace(handle.name, folder / f"{name}.npz")
+    return folder
+
+
 def generator_quality(cfg: RunConfig, address: str, counters: dict[str, Any], *, out_dir: Path, tls_flags: list[str]) -> dict[str, Any]:
     """The figures (cached under $FEDSYNTH_CACHE/quality), the sample grid copied to OUT_DIR/plots; an `error` instead
-    when the judge could not score the generator: the run itself stands."""
+    when the judge could not score the generator: the run itself stands. In local mode the judge learns the client
+    folders pooled (folders_as_npz)."""
+    if cfg.data.source == "local":
+        data = dataclasses.replace(cfg.data, source="split", dataset="npz", data_dir=str(folders_as_npz(cfg)),
+                                   local_dir=None, test_dir=None)
+        cfg = dataclasses.replace(cfg, data=data)
     folder = cache_root() / "quality"
     key = cache_key(cfg, counters)
     figures, grid = folder / f"{key}.json", folder / f"{key}.png"

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 from tqdm import tqdm
 
+from deploy.generator_setup import check_generator_shape
 from deploy.processes import Child, ChildFailed, ProcessGroup, fedsynth_command, log_tail, wait_for_file
 from deploy.report import LAST_N, build_report, load_coordinator_record
 from deploy.scrape import scrape, total
@@ -269,8 +270,6 @@ class Launcher:
         as {"error": ...} and the report is written."""
         if address is None or counters is None or self.cfg.generation.evaluate_per_class == 0:
             return None
-        if self.cfg.data.source == "local":  # the judge learns from real data, which in local mode only the clients hold
-            return None
         from deploy.generator_quality import generator_quality
 
         started = time.monotonic()
@@ -352,7 +351,8 @@ def check_local_dir(cfg: RunConfig) -> None:
         raise ConfigError(f"data.local_dir={d.local_dir!r}: its {SCHEMA_FILE} names {len(found.classes)} classes of "
                           f"{found.channels}x{found.image_size}x{found.image_size} images, the run's data.classes/"
                           f"image_size/channels {len(schema.classes)} of {schema.channels}x{schema.image_size}x{schema.image_size}"
-                          + (" (other class names or order)" if len(found.classes) == len(schema.classes) else ""))
+                          + (" (other class names or order)" if found.classes != schema.classes
+                             and len(found.classes) == len(schema.classes) else ""))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -362,6 +362,7 @@ def run(args: argparse.Namespace) -> int:
         check_local_dir(cfg)  # a missing folder or another schema fails here, not in a client node
     else:
         check_partition(cfg)  # an impossible split fails here, in seconds, not in every client node
+    check_generator_shape(cfg)  # a generator of another image size fails here, not in every FedEAS client
     if (cfg.train.device, cfg.train.precision) != ("cpu", "fp32"):  # every process runs here: "cuda" without a GPU fails now
         from fedsynth.learning.hardware import resolve_hardware  # torch loads only where a GPU may be asked for
 

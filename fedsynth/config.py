@@ -95,10 +95,15 @@ class DataConfig(Section):
     # Local mode: the coordinator's own test data (<class name>/ folders of images, directly or under test/, or an
     # .npz), for server evaluation; without it the coordinator holds no data and the clients evaluate (federated).
     test_dir: str | None = None
-    # The federation's label schema: class names in label order, square image side, channels. Left out, the built-in
-    # dataset's (digits: "0".."9", 8, 1; cifar10/cifar100: their names, 32, 3).
+    # The federation's class names in label order; a client folder's class folders are matched to them by name. Left
+    # out, the built-in dataset's ("0".."9" for digits; CIFAR's names).
     classes: tuple[str, ...] | None = None
+    # The side, in pixels, of the square images every model sees: local mode resizes each client's square images to it
+    # (bilinear); a generator must make images of this size (checked before any process starts). Left out, the built-in
+    # dataset's (digits 8, CIFAR 32).
     image_size: int | None = None
+    # 1 (grayscale) or 3 (RGB): the models' input channels; a client whose images have the other count is refused by
+    # name. Left out, the built-in dataset's (digits 1, CIFAR 3).
     channels: int | None = None
     # Local data: an image whose header declares more pixels (width x height) than this is refused by name before
     # it is decoded (a small PNG can declare 13,000 x 13,000: ~484 MiB decoded).

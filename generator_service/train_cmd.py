@@ -1,4 +1,5 @@
-"""`fedsynth generator train`: train the class-conditional DDPM on a dataset's full training split."""
+"""`fedsynth generator train`: train the class-conditional DDPM on a dataset's full training split, or on a local-mode
+federation's client folders pooled (`--data`, at the schema's image size)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from fedsynth.errors import ConfigError
 from generator_service.ddpm.model import SIZES
 from generator_service.ddpm.training import TrainConfig, train_generator
 
@@ -14,8 +16,14 @@ DEFAULTS = TrainConfig(dataset="digits", out=Path("generator"))
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DEFAULTS
-    parser.add_argument("--dataset", required=True, help="digits, cifar10, cifar100 or npz (training split, all of it)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--dataset", help="digits, cifar10, cifar100 or npz (training split, all of it)")
+    source.add_argument("--data", type=Path, default=None, metavar="DIR",
+                        help="a folder of client-<k>/ folders (as `fedsynth data split` writes them): every client's "
+                             "training images pooled, read at the schema's image size")
     parser.add_argument("--data-dir", type=Path, default=None, help="folder with train.npz/test.npz (cifar, npz)")
+    parser.add_argument("--schema", type=Path, default=None,
+                        help="with --data: the schema file ([data] classes, image_size, channels) (default DIR/schema.toml)")
     parser.add_argument("--size", choices=list(SIZES), default=d.size,
                         help="UNet size: tiny (~0.7M, CPU), half (~9M), ddpm-cifar (35.7M, GPU) (default %(default)s)")
     parser.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
@@ -46,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
-        dataset=args.dataset, out=args.out, size=args.size, data_dir=args.data_dir, steps=args.steps,
+        dataset=args.dataset or "npz", out=args.out, size=args.size, data_dir=args.data_dir, steps=args.steps,
+        folders=args.data, schema_file=args.schema,
         batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed,
         label_dropout=args.label_dropout, ema_decay=args.ema_decay, checkpoint_every=args.checkpoint_every,
         resume=args.resume, device=args.device, guidance=args.guidance, ddim_steps=args.ddim_steps,
@@ -55,6 +64,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.schema is not None and args.data is None:
+        raise ConfigError("--schema goes with --data (the schema the client folders are read with)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     out = train_generator(config_from_args(args))
     print(f"generator written to {out}")

@@ -158,3 +158,20 @@ def test_generator_addresses_refused(value: str, words: str) -> None:
     with pytest.raises(ConfigError, match="generation.generator") as caught:
         load_config(None, [f"generation.generator={value}"])
     assert words in str(caught.value)
+
+
+def test_a_generator_of_another_image_shape_is_refused_by_the_client_before_it_asks(servers: list[GeneratorServer],
+                                                                                   tmp_path: Path) -> None:
+    from client_node.metrics import ClientMetrics
+    from client_node.synthesis import synthesize
+
+    cfg = load_config(None, ["generation.policy=full"])
+    options = SimpleNamespace(generator=f"127.0.0.1:{servers[0].port}", credentials=None, cache_dir=tmp_path, revoked=None,
+                              tls_files=None)
+    registry = CollectorRegistry()
+    metrics = ClientMetrics(registry)
+    with pytest.raises(ConfigError, match=r"makes 1x8x8 images; this client's are 1x16x16 \(data.channels x data.image_size\)"):
+        synthesize(cfg, 2, np.repeat(np.arange(10), [9, 1, 1, 1, 1, 1, 1, 1, 1, 1]), 10, [], options, metrics,
+                   real_shape=(1, 16, 16))
+    assert registry.get_sample_value("fedsynth_client_images_requested_total") == 0.0
+    assert not any(tmp_path.iterdir())  # no cache written

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -27,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=DATA_FORMATS, default="imagefolder",
                         help="imagefolder: train/<class>/NNNNNN.png and test/; npz: train.npz and test.npz (x, y, classes); "
                              "hf: a Hugging Face datasets save_to_disk folder (default imagefolder)")
+    parser.add_argument("--image-size", type=int, default=None,
+                        help="resize every image to this side (bilinear), e.g. 16 for 16x16 digits (default: as stored)")
     parser.add_argument("--out", required=True, help="folder to create (must not exist or be empty)")
 
 
@@ -46,7 +49,11 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--dataset {args.dataset} needs --classes (class names in label order)")
         c, size, _ = load_dataset(args.dataset, "train", data_dir=args.data_dir).image_shape
         schema = LabelSchema(classes, size, c)
-    provenance = write_split(SplitRequest(data, args.seed, args.format, Path(args.out)), schema)
+    if args.image_size is not None:
+        if not 4 <= args.image_size <= 1024:
+            raise ConfigError(f"--image-size must be in 4..1024, got {args.image_size}")
+        schema = dataclasses.replace(schema, image_size=args.image_size)
+    provenance = write_split(SplitRequest(data, args.seed, args.format, Path(args.out), args.image_size), schema)
     sizes = [sum(row) for row in provenance["train_counts"]]  # type: ignore[attr-defined]
     print(json.dumps({"out": args.out, "clients": args.clients, "train_sizes": sizes, "format": args.format}))
     return 0

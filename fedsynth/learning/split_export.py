@@ -31,6 +31,7 @@ class SplitRequest:
     seed: int
     format: str
     out: Path
+    image_size: int | None = None  # resize every image to this side (bilinear, as local mode resizes); None keeps it
 
 
 def deal_test(test_labels: np.ndarray, counts: np.ndarray, seed: int) -> list[np.ndarray]:
@@ -56,6 +57,8 @@ def write_split(request: SplitRequest, schema: LabelSchema) -> dict[str, object]
         raise ConfigError(f"--out {str(out)!r} exists and is not an empty folder")
     train = load_dataset(d.dataset, "train", data_dir=d.data_dir, download=d.download)
     test = load_dataset(d.dataset, "test", data_dir=d.data_dir, download=d.download)
+    if request.image_size is not None:
+        train, test = resized(train, request.image_size), resized(test, request.image_size)
     if train.num_classes != len(schema.classes) or train.image_shape != (schema.channels, schema.image_size, schema.image_size):
         raise ConfigError(f"--dataset {d.dataset}: {train.num_classes} classes of {train.image_shape} images, but the schema "
                           f"names {len(schema.classes)} classes of {(schema.channels, schema.image_size, schema.image_size)}")
@@ -71,11 +74,25 @@ def write_split(request: SplitRequest, schema: LabelSchema) -> dict[str, object]
     provenance: dict[str, object] = {
         "dataset": d.dataset, "clients": d.clients, "partition": d.partition, "alpha": d.alpha, "min_size": d.min_size,
         "holdout_fraction": d.holdout_fraction, "seed": request.seed, "format": request.format,
+        "resized_to": request.image_size or 0,
         "train_counts": counts.tolist(),
     }
     (out / SCHEMA_FILE).write_text(schema.to_toml() + "\n[split]\n" + "".join(
         f"{key} = {json.dumps(value)}\n" for key, value in provenance.items()))
     return provenance
+
+
+def resized(data: ArrayDataset, size: int) -> ArrayDataset:
+    """Every image resized to size x size with PIL's bilinear filter, the one local mode resizes a folder's images with."""
+    from PIL import Image
+
+    if data.x.shape[1:3] == (size, size):
+        return data
+    squeeze = data.x.shape[3] == 1
+    rows = [np.asarray(Image.fromarray(image[..., 0] if squeeze else image).resize((size, size), Image.Resampling.BILINEAR))
+            for image in data.x]
+    x = np.stack(rows)[..., None] if squeeze else np.stack(rows)
+    return ArrayDataset(data.name, x.astype(np.uint8), data.y, data.num_classes)
 
 
 def _write_client(folder: Path, splits: dict[str, tuple[ArrayDataset, np.ndarray]], schema: LabelSchema, fmt: str) -> None:

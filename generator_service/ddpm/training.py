@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import shutil
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from tqdm import tqdm
 
 from fedsynth.config_schema import GENERATOR_TRAIN_LR
 from fedsynth.config_schema import DATASETS
-from fedsynth.learning.data import load_dataset
+from fedsynth.learning.data import ArrayDataset, load_dataset
 from fedsynth.learning.unet import denoising_loss, noised_batch
 from fedsynth.errors import ConfigError
 from fedsynth.process.runtime import write_atomic
@@ -38,6 +39,7 @@ from generator_service.ddpm.sampling import DdimSampler, SamplingConfig, resolve
 
 log = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
+PROGRESS_EVERY_S = 10.0
 OPTIMIZER_FILE = "optimizer.safetensors"
 LEGACY_OPTIMIZER_FILE = "optimizer.pt"
 # Horizontal flips are label-preserving for natural images, not for digits.
@@ -65,6 +67,8 @@ class TrainConfig:
     grid_per_class: int = 10
     threads: int = 0  # torch CPU threads; 0 keeps torch's default
     progress: bool = True
+    folders: Path | None = None  # a folder of client-<k>/ folders: their training images pooled (dataset is then "npz")
+    schema_file: Path | None = None  # with folders: the schema to read them with (default folders/schema.toml)
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:
@@ -88,7 +92,8 @@ class TrainConfig:
 
 def _identity(cfg: TrainConfig) -> dict[str, object]:
     """Settings a resumed run must share with the checkpoint it continues."""
-    return {k: str(v) for k, v in asdict(cfg).items() if k in ("dataset", "size", "seed", "batch_size", "label_dropout")}
+    return {k: str(v) for k, v in asdict(cfg).items()
+            if k in ("dataset", "size", "seed", "batch_size", "label_dropout") or (k == "folders" and v is not None)}
 
 
 def _step_generator(seed: int, step: int) -> torch.Generator:
@@ -182,7 +187,7 @@ def _train(cfg: TrainConfig) -> Path:
     if checkpoints and not cfg.resume:
         raise ConfigError(f"{out} holds checkpoints ({checkpoints[-1].name}); pass --resume or pick another --out")
     device = resolve_device(cfg.device)
-    data = load_dataset(cfg.dataset, "train", data_dir=cfg.data_dir)
+    data = training_images(cfg)
     images = torch.from_numpy(data.x).permute(0, 3, 1, 2).contiguous()  # uint8 N x C x H x W, converted per batch
     unet = build_unet(cfg.size, num_classes=data.num_classes, image_shape=data.image_shape, seed=cfg.seed).to(device)
     ema_unet = build_unet(cfg.size, num_classes=data.num_classes, image_shape=data.image_shape, seed=cfg.seed)
@@ -195,9 +200,10 @@ def _train(cfg: TrainConfig) -> Path:
     autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     flip = cfg.dataset in FLIP_DATASETS
     unet.train()
-    bar = tqdm(total=cfg.steps, initial=min(start, cfg.steps), desc=f"train {cfg.size} on {cfg.dataset}",
+    bar = tqdm(total=cfg.steps, initial=min(start, cfg.steps), desc=f"train {cfg.size} on {cfg.folders or cfg.dataset}",
                disable=not cfg.progress, dynamic_ncols=True)
     guard = LossGuard(warmup_steps=cfg.warmup_steps)
+    progress = ProgressLine(start, cfg.steps)
     for step in range(start, cfg.steps):
         g = _step_generator(cfg.seed, step)
         idx = torch.randint(len(images), (cfg.batch_size,), generator=g)
@@ -221,6 +227,7 @@ def _train(cfg: TrainConfig) -> Path:
         ema.step(unet.parameters())
         bar.update(1)
         bar.set_postfix(loss=f"{guard.smoothed:.4f}")
+        progress.step_done(step + 1, guard.smoothed)
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
             with torch.no_grad(), autocast:  # the step's loss judged the weights before it, not after
                 after = denoising_loss(unet, noisy, t, labels, noise).item()
@@ -230,6 +237,35 @@ def _train(cfg: TrainConfig) -> Path:
             _save_checkpoint(out, step + 1, unet, ema, ema_unet, optimizer, cfg)
     bar.close()
     return _finish(cfg, out, data.num_classes, data.image_shape, unet, ema, ema_unet, device)
+
+
+class ProgressLine:
+    """A log line every PROGRESS_EVERY_S seconds and at the end: the step, the loss, the rate and the time left (what
+    `fedsynth run` shows while it trains a generator on first use, and what a log file keeps without a terminal)."""
+
+    def __init__(self, start: int, total: int) -> None:
+        self.start, self.total = start, total
+        self.started = self.last = time.monotonic()
+
+    def step_done(self, step: int, loss: float) -> None:
+        now = time.monotonic()
+        if now - self.last < PROGRESS_EVERY_S and step != self.total:
+            return
+        self.last = now
+        rate = (step - self.start) / max(now - self.started, 1e-9)
+        left = (self.total - step) / rate if rate > 0 else float("inf")
+        log.info("step %d/%d loss %.4f %.2f steps/s about %.0fs left", step, self.total, loss, rate, left)
+
+
+def training_images(cfg: TrainConfig) -> ArrayDataset:
+    """The images to learn: the dataset's training split, or the client folders' training images pooled."""
+    if cfg.folders is None:
+        return load_dataset(cfg.dataset, "train", data_dir=cfg.data_dir)
+    from fedsynth.learning.federation_folders import folder_schema, pooled
+
+    data = pooled(cfg.folders, folder_schema(cfg.folders, cfg.schema_file), "train")
+    log.info("training on %d images pooled from the client folders in %s", len(data.y), cfg.folders)
+    return data
 
 
 def _diverged(cfg: TrainConfig, out: Path, why: str) -> TrainingDiverged:
@@ -247,7 +283,7 @@ def _finish(cfg: TrainConfig, out: Path, num_classes: int, image_shape: tuple[in
         dataset=cfg.dataset, num_classes=num_classes, image_shape=image_shape, size=cfg.size,
         training_steps=ema.optimization_step, guidance=cfg.guidance, ddim_steps=cfg.ddim_steps,
         extra={"seed": cfg.seed, "batch_size": cfg.batch_size, "lr": cfg.lr, "label_dropout": cfg.label_dropout,
-               "ema_decay": cfg.ema_decay},
+               "ema_decay": cfg.ema_decay, **({"folders": str(cfg.folders)} if cfg.folders is not None else {})},
     )
     (out / METADATA_FILE).unlink(missing_ok=True)  # the folder is incomplete until save_generator rewrites it
     metadata = save_generator(out, ema_unet.eval(), make_train_scheduler(), metadata)

@@ -21,6 +21,7 @@ from fedsynth.config import RunConfig, load_config
 from fedsynth.config_schema import DP_LEVELS, GENERATOR_SIZES
 from fedsynth.errors import ConfigError, FedsynthError
 from fedsynth.learning.data import load_dataset
+from fedsynth.learning.label_schema import schema_of
 from fedsynth.learning.partition import check_partition
 from fedsynth.process.runtime import write_json
 from generator_service.ddpm.grid import save_class_grid
@@ -136,9 +137,9 @@ def export(cfg: RunConfig, run_dir: Path, out: Path, *, guidance: float, ddim_st
     ema = {name.removeprefix(prefix): value for name, value in tensors.items() if name.startswith(prefix)}
     if not ema:
         raise FedsynthError(f"{run_dir / CHECKPOINT} holds no EMA weights: it is not a federated generator's run")
-    test = load_dataset(cfg.data.dataset, "test", data_dir=cfg.data.data_dir, download=cfg.data.download)
+    num_classes, image_shape = _run_shape(cfg)
     size = cfg.train.model.removeprefix("unet-")
-    unet = build_unet(size, num_classes=test.num_classes, image_shape=test.image_shape)
+    unet = build_unet(size, num_classes=num_classes, image_shape=image_shape)
     unet.load_state_dict(ema)
     report = json.loads((run_dir / "report.json").read_text())
     privacy = report.get("privacy") or {}
@@ -168,7 +169,7 @@ def export(cfg: RunConfig, run_dir: Path, out: Path, *, guidance: float, ddim_st
         "weights": "the server's EMA of the global model",
     }
     metadata = GeneratorMetadata(
-        dataset=cfg.data.dataset, num_classes=test.num_classes, image_shape=test.image_shape, size=size,
+        dataset=cfg.data.dataset, num_classes=num_classes, image_shape=image_shape, size=size,
         training_steps=rounds * cfg.federate.local_steps, guidance=guidance, ddim_steps=ddim_steps,
         extra={"federated": True, "dp": cfg.federate.dp, "epsilon": privacy.get("epsilon"), "delta": privacy.get("delta"),
                "rounds": rounds, "clients": cfg.data.clients, "seed": cfg.seed},
@@ -177,11 +178,21 @@ def export(cfg: RunConfig, run_dir: Path, out: Path, *, guidance: float, ddim_st
     write_json(out / "provenance.json", {**provenance, "model_id": metadata.model_id})
     write_json(out / "report.json", {**report, "model_dir": str(out), "provenance": provenance})
     if grid_per_class:
-        sampler = DdimSampler(unet, dict(make_train_scheduler().config), num_classes=test.num_classes, image_shape=test.image_shape,
+        sampler = DdimSampler(unet, dict(make_train_scheduler().config), num_classes=num_classes, image_shape=image_shape,
                               config=SamplingConfig(ddim_steps, guidance, 64), device=torch.device("cpu"))
         save_class_grid(sampler, out / "samples.png", per_class=grid_per_class, seed=cfg.seed)
     log.info("wrote generator %s to %s (%s)", metadata.model_id, out, _describe(provenance))
     return out
+
+
+def _run_shape(cfg: RunConfig) -> tuple[int, tuple[int, int, int]]:
+    """(classes, (channels, height, width)) the clients trained at: the run's schema (local mode's folders are read at
+    data.image_size), else the dataset's test split."""
+    schema = schema_of(cfg.data)
+    if schema is not None:
+        return len(schema.classes), (schema.channels, schema.image_size, schema.image_size)
+    test = load_dataset(cfg.data.dataset, "test", data_dir=cfg.data.data_dir, download=cfg.data.download)
+    return test.num_classes, test.image_shape
 
 
 def _describe(provenance: dict[str, Any]) -> str:

@@ -152,17 +152,19 @@ def test_a_sample_dp_run_reports_each_clients_epsilon_within_the_target(tmp_path
 
 @pytest.mark.slow
 def test_a_federated_generator_trains_on_the_clients_own_folders_in_local_mode(tmp_path: Path) -> None:
-    """Local mode (each client node only its own folder from `fedsynth data split`, the coordinator no data): the same
-    federate command trains, accounts epsilon and says in provenance.json that no partition was cut."""
+    """Local mode (each client node only its own folder from `fedsynth data split`, here at 16x16, the coordinator no
+    data): the same federate command trains at the folders' size, accounts epsilon and says in provenance.json that no
+    partition was cut."""
     folders = tmp_path / "clients"
     split = subprocess.run(_fedsynth("data", "split", "--dataset", "digits", "--clients", "2", "--alpha", "0.5", "--seed", "0",
-                                     "--out", str(folders)), capture_output=True, text=True, timeout=300)
+                                     "--image-size", "16", "--out", str(folders)), capture_output=True, text=True, timeout=300)
     assert split.returncode == 0, split.stderr[-2000:]
     out = tmp_path / "generator"
     result = subprocess.run(
         _fedsynth("generator", "federate", "--size", "tiny", "--rounds", "1", "--local-steps", "2", "--dp", "user",
                   "--target-epsilon", "10", "--set", "data.clients=2", "--set", 'data.source="local"',
                   "--set", f"data.local_dir={json.dumps(str(folders))}", "--set", "federate.batch_size=16",
+                  "--set", "data.image_size=16",
                   "--grid-per-class", "0", "--no-progress", "--out", str(out)),
         capture_output=True, text=True, timeout=400,
     )
@@ -171,3 +173,4 @@ def test_a_federated_generator_trains_on_the_clients_own_folders_in_local_mode(t
     assert provenance["data_source"] == "local" and provenance["partition"] is None
     assert provenance["federated"] is True and 0 < provenance["epsilon"] <= 10 and provenance["clients"] == 2
     assert (out / "diffusion_pytorch_model.safetensors").is_file()
+    assert json.loads((out / "fedsynth_generator.json").read_text())["image_shape"] == [1, 16, 16]  # it makes 16x16 images

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from deploy.processes import Child, ProcessGroup, fedsynth_command
 from fedsynth.config import RunConfig
-from fedsynth.config_schema import BUILTIN_SCHEMAS, GENERATOR_TRAIN_LR
+from fedsynth.config_schema import BUILTIN_SCHEMAS, GENERATOR_SIDE_DIVISOR, GENERATOR_TRAIN_LR
 from fedsynth.errors import ConfigError
 from fedsynth.generation.generator_names import METADATA_FILE
 from fedsynth.learning.label_schema import SCHEMA_FILE, schema_of
@@ -76,6 +76,12 @@ def check_generator_shape(cfg: RunConfig) -> None:
                 f"generation.model_dir {g.model_dir!r} makes {c}x{h}x{w} images of {made[0]} classes, but the run's "
                 f"{asked}: train a generator at that size (`fedsynth generator train --data DIR`, docs/generator.md) "
                 "or run without one (generation.policy = \"none\")")
+    elif cfg.data.source == "local" and size % GENERATOR_SIDE_DIVISOR[g.size]:
+        fits = [name for name, divisor in GENERATOR_SIDE_DIVISOR.items() if size % divisor == 0]
+        raise ConfigError(
+            f"generation.size = {g.size!r} (the UNet trained on first use) needs data.image_size divisible by "
+            f"{GENERATOR_SIDE_DIVISOR[g.size]}, got {size}: "
+            + (f"use generation.size = {fits[0]!r}" if fits else "use an even data.image_size"))
     elif cfg.data.source != "local" and cfg.data.dataset in BUILTIN_SCHEMAS:
         names, native, native_channels = BUILTIN_SCHEMAS[cfg.data.dataset]
         if (len(names), (native_channels, native, native)) != wanted:

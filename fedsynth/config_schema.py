@@ -36,6 +36,9 @@ GENERATOR_SIZES = ("tiny", "small", "half", "ddpm-cifar")  # fedsynth.learning.u
 # digits (after 1,500 steps it predicted ~0 noise and drew noise: docs/generator.md), so the DDPM-CIFAR layouts take
 # Ho et al.'s 2e-4. The launcher names the lr in a cached model's folder where it is not the 2e-3 of older folders.
 GENERATOR_TRAIN_LR = {"tiny": 2e-3, "small": 2e-3, "half": 2e-4, "ddpm-cifar": 2e-4}
+# The image side each UNet size takes must be divisible by this (2 to the number of down-samplings; unet.SIZES checks
+# it agrees): what the launcher checks data.image_size against before it trains a generator on first use.
+GENERATOR_SIDE_DIVISOR = {"tiny": 2, "small": 4, "half": 8, "ddpm-cifar": 8}
 WIRE_DTYPES = ("float32", "float16", "bfloat16")  # fedsynth.wire.wire_dtype: the floats of client updates on the wire
 DP_LEVELS = ("none", "user", "sample")  # federate.dp: none, DP-FedAvg (a client's whole data), DP-SGD (one image)
 EVALUATIONS = ("server", "federated", "both")  # who tests the global model: the coordinator, the clients (counts), or both

@@ -114,3 +114,16 @@ def test_fedeas_over_16x16_folders_trains_its_generator_on_them_and_judges_it(fo
     # the judge learned the pooled 16x16 client folders: it reads real digits far above chance
     assert quality["judge_test_accuracy"] > 0.8 and quality["n_images"] == 40 and 0 <= quality["recognizability"] <= 1
 
+
+
+def test_a_first_use_generator_size_that_cannot_take_the_image_side_is_refused_by_name() -> None:
+    from deploy.generator_setup import check_generator_shape
+    from fedsynth.config import load_config
+    from fedsynth.errors import ConfigError
+
+    local = ['data.source="local"', 'data.local_dir="clients"', "data.image_size=12"]
+    with pytest.raises(ConfigError, match=r"generation.size = 'half' \(the UNet trained on first use\) needs data.image_size "
+                                          r"divisible by 8, got 12: use generation.size = 'tiny'"):
+        check_generator_shape(load_config(None, [*local, 'generation.size="half"']))
+    check_generator_shape(load_config(None, [*local, 'generation.size="small"']))  # 12 = 3 x 4: small takes it
+    check_generator_shape(load_config(None, [*local, 'generation.size="half"', 'generation.policy="none"']))  # no generator

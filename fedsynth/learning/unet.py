@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler, UNet2DModel
 
-from fedsynth.config_schema import GENERATOR_SIZES, require_names
+from fedsynth.config_schema import GENERATOR_SIDE_DIVISOR, GENERATOR_SIZES, require_names
 from fedsynth.errors import ConfigError
 
 NUM_TRAIN_TIMESTEPS = 1000
@@ -42,6 +42,8 @@ SIZES: dict[str, UNetSize] = {
     "ddpm-cifar": UNetSize((128, 256, 256, 256), 2, (1,), 32, 0.1),
 }
 require_names("fedsynth.learning.unet.SIZES", SIZES, GENERATOR_SIZES)  # the names the config check offers
+if {name: 2 ** (len(layout.block_out_channels) - 1) for name, layout in SIZES.items()} != GENERATOR_SIDE_DIVISOR:
+    raise RuntimeError("fedsynth.config_schema.GENERATOR_SIDE_DIVISOR disagrees with the UNet layouts")
 
 
 def build_unet(size: str, *, num_classes: int, image_shape: tuple[int, int, int], seed: int | None = 0) -> UNet2DModel:

@@ -1,6 +1,7 @@
 """train.model's three forms (a built-in name, torchvision:<builder>, package.module:factory) and train.init_weights:
 the config's syntax check (no torch), the builds and their one-line refusals, MOON/FedGen's features/head need, the
-layout digest that refuses a node building another model, and two real runs (docs/guides/bring-your-own-model.md).
+layout digest that refuses a node building another model, and two real runs on client folders of 32x32 images
+(docs/guides/bring-your-own-model.md).
 
 byo_model is tests/fixtures/byo_model, a small package that scripts/test.sh installs into the test venv, as a user
 installs theirs on every node."""
@@ -159,10 +160,22 @@ def test_init_weights_load_strictly_and_a_mismatch_names_the_file_and_the_key(tm
         assert "\n" not in str(caught.value)
 
 
-def _run(out: Path, *sets: str) -> dict:
+@pytest.fixture(scope="module")
+def folders32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two clients' folders of 32x32 digits (`fedsynth data split --image-size 32`): the runs below use a model of the
+    user's on client folders, as a user would."""
+    out = tmp_path_factory.mktemp("digits32") / "clients"
+    done = subprocess.run([sys.executable, "-m", "fedsynth.cli", "data", "split", "--dataset", "digits", "--clients", "2",
+                           "--alpha", "0.5", "--image-size", "32", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out
+
+
+def _run(out: Path, folders: Path, *sets: str) -> dict:
     command = [sys.executable, "-m", "fedsynth.cli", "run", "--out-dir", str(out), "--no-progress",
                "--set", "generation.policy=none", "--set", "data.clients=2", "--set", "train.rounds=1",
-               "--set", "train.local_epochs=1", "--set", "runtime.clients_per_process=2"]
+               "--set", "train.local_epochs=1", "--set", "runtime.clients_per_process=2", "--set", "data.source=local",
+               "--set", f"data.local_dir={json.dumps(str(folders))}", "--set", "data.image_size=32"]
     for item in sets:
         command += ["--set", item]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
@@ -178,15 +191,15 @@ def _checkpoint(out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_a_factory_model_run_starts_from_init_weights(tmp_path: Path) -> None:
+def test_a_factory_model_run_starts_from_init_weights(tmp_path: Path, folders32: Path) -> None:
     torch.manual_seed(123)
-    state = build_model("byo_model:tiny_net", num_classes=10, in_channels=1, image_size=8).state_dict()
+    state = build_model("byo_model:tiny_net", num_classes=10, in_channels=1, image_size=32).state_dict()
     state["classifier.bias"] = torch.arange(10, dtype=torch.float32) / 8  # one tensor no seeded build would give
     init = tmp_path / "init.safetensors"
     save_file(state, init)
     out = tmp_path / "run"
     # train.max_steps = 0: the clients train nothing, so round 1's aggregate is the model the coordinator sent them
-    report = _run(out, 'train.model="byo_model:tiny_net"', f"train.init_weights={json.dumps(str(init))}", "train.max_steps=0")
+    report = _run(out, folders32, 'train.model="byo_model:tiny_net"', f"train.init_weights={json.dumps(str(init))}", "train.max_steps=0")
     assert report["config"]["train"]["model"] == "byo_model:tiny_net"
     assert report["config"]["train"]["init_weights"] == str(init)
     record = json.loads((out / "coordinator.json").read_text())["init_weights"]
@@ -198,8 +211,8 @@ def test_a_factory_model_run_starts_from_init_weights(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_torchvision_resnet18_run_on_8x8_digits(tmp_path: Path) -> None:
-    report = _run(tmp_path / "run", 'train.model="torchvision:resnet18"', "train.max_steps=2", "train.batch_size=16")
+def test_a_torchvision_resnet18_run_on_32x32_client_folders(tmp_path: Path, folders32: Path) -> None:
+    report = _run(tmp_path / "run", folders32, 'train.model="torchvision:resnet18"', "train.max_steps=2", "train.batch_size=16")
     assert report["config"]["train"]["model"] == "torchvision:resnet18"
     assert 0.0 <= report["final_accuracy"] <= 1.0
     assert "classifier.weight" in _checkpoint(tmp_path / "run")

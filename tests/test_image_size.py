@@ -96,7 +96,7 @@ def test_generator_train_names_a_folder_without_client_folders(tmp_path: Path) -
 @pytest.mark.slow
 def test_fedeas_over_16x16_folders_trains_its_generator_on_them_and_judges_it(folders16: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    sets = [*_local(folders16), "train.rounds=2", "train.local_epochs=1", "generation.train_steps=4",
+    sets = [*_local(folders16), "train.rounds=1", "train.local_epochs=1", "generation.train_steps=4",
             "generation.evaluate_per_class=4"]
     done = subprocess.run([*fedsynth_command("run", "--out-dir", str(tmp_path / "run"), "--no-progress"),
                            *(part for item in sets for part in ("--set", item))],

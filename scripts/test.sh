@@ -36,9 +36,10 @@ command -v nft >/dev/null || apt_install nftables
 # pytest exits 5 when it collected no test: a failure for us.
 if [ "$#" -gt 0 ]; then exec .venv/bin/python -m pytest "$@"; fi
 # The README's selection: every test but those needing ../shared/data. The tests that wait on processes (most of the
-# suite) run on FEDSYNTH_TEST_WORKERS pytest-xdist workers (default 2: ~1.6x faster on 2 cores); those marked serial
+# suite) run on FEDSYNTH_TEST_WORKERS pytest-xdist workers (default 3: with 2 they left ~a quarter of 2 cores idle while
+# tests waited on processes, and the whole .ci/run took 26 min on 2026-12-07); those marked serial
 # (time bounds, network namespaces) run after them, alone. Both halves run; the script fails if either did.
 status=0
-.venv/bin/python -m pytest -n "${FEDSYNTH_TEST_WORKERS:-2}" -m "not shared_data and not serial" || status=$?
+.venv/bin/python -m pytest -n "${FEDSYNTH_TEST_WORKERS:-3}" -m "not shared_data and not serial" || status=$?
 .venv/bin/python -m pytest -m "not shared_data and serial" || status=$?
 exit "$status"

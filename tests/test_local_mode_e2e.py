@@ -27,7 +27,6 @@ RUN = ["data.clients=4", "seed=3", "data.holdout_fraction=0.1", "train.rounds=3"
 ARMS = {
     "fedavg": ["generation.policy=\"none\""],
     "fedeas": ["generation.policy=\"fedeas\""],
-    "fedprox": ["generation.policy=\"none\"", "train.algorithm=\"fedprox\"", "train.algorithm_params.mu=0.01"],
     # the holdout generator: split mode's hold-out split, or in local mode data split's holdout/ folder
     "fedeas-holdout": ["generation.policy=\"fedeas\"", "generation.backend=\"holdout\""],
 }

@@ -81,6 +81,7 @@ ROOMS_MAY_IMPORT = {
     "generation": {"errors", "config_schema", "config", "v1", "wire", "process"},
     "plan": {"errors", "config_schema", "config", "allocation", "learning"},
     "assembly": {"errors", "config_schema", "config", "learning", "algorithms"},
+    "secagg": {"errors"},
 }
 
 

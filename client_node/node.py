@@ -22,6 +22,7 @@ from client_node.metrics import ClientMetrics
 from client_node.sdafl_client import ensure_samples, report_failure, upload
 from client_node.synthesis import SyntheticSet, fedeas_total, synthesize
 from client_node.uploads import payload_message, stream_upload
+from fedsynth.algorithms.user_dp import clip_to_move
 from fedsynth.wire import codec, data_plane, grpcutil, versions, wire_dtype
 from fedsynth.assembly import (
     algorithm_for,
@@ -385,6 +386,8 @@ class LogicalClient:
             generator=round_generator(cfg, self.client_id, task.round),
         )
         train_seconds = time.monotonic() - started
+        if cfg.train.dp == "user":  # clipped here AND on the coordinator: an honest client's update arrives as it will count
+            update = replace(update, state=clip_to_move(update.state, global_state, cfg.train.dp_clip))
         self.state.algorithm_state = update.client_state
         self.metrics.train_seconds.observe(train_seconds)
         batch_size = cfg.federate.batch_size if cfg.train.algorithm == "ddpm" else cfg.train.batch_size

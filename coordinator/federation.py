@@ -41,7 +41,7 @@ from coordinator.updates import ReceivedUpdate, check_integer_moves, check_repor
 from fedsynth.wire import versions, wire_dtype
 from fedsynth.algorithms.base import extra_layout
 from fedsynth.algorithms.fedgen import FedGen, head_keys
-from fedsynth.assembly import algorithm_for, model_for
+from fedsynth.assembly import algorithm_for, model_for, user_dp_for
 from fedsynth.config import RunConfig
 from fedsynth.learning.data import load_dataset
 from fedsynth.algorithms.ddpm import FedDdpm
@@ -64,6 +64,7 @@ class Federation:
         algorithm = algorithm_for(cfg)
         if isinstance(algorithm, FedDdpm) and algorithm.settings.dp == "user":
             algorithm = dataclasses.replace(algorithm, noise_secret=noise_secret(out_dir))
+        user_dp = user_dp_for(cfg, noise_secret(out_dir)) if cfg.train.dp == "user" else None  # the classifier's DP-FedAvg
         schema = schema_of(cfg.data)
         test_data: TrainData | None = None  # local mode without data.test_dir: the coordinator holds no data
         if cfg.data.source == "local" and schema is not None:
@@ -108,7 +109,8 @@ class Federation:
         self.refusals = RefusalLedger(cfg.runtime.max_refusals, metrics.refused_updates)
         self.driver = RoundDriver(cfg, out_dir=out_dir, lock=self.lock, registry=self.registry, state=self.state,
                                   algorithm=algorithm, sdafl=self.sdafl, metrics=metrics, progress=self.progress,
-                                  test_data=test_data, mean_pool=self.mean_pool, fedgen=self.fedgen, refusals=self.refusals)
+                                  test_data=test_data, mean_pool=self.mean_pool, fedgen=self.fedgen, refusals=self.refusals,
+                                  user_dp=user_dp)
         self.started = time.time()
         self.data_port = 0  # the data plane's, once it listens (runtime.data_plane = "tcp")
         if self.mean_pool is not None:
@@ -128,7 +130,9 @@ class Federation:
         return self.state.initial
 
     def privacy_report(self) -> dict[str, Any] | None:
-        """The federated generator's privacy after the completed rounds (None for other algorithms)."""
+        """epsilon so far: the classifier's (train.dp = "user") or the federated generator's; None for a run without DP."""
+        if self.driver.user_dp is not None:
+            return self.driver.user_dp.report(self.completed)
         if self.cfg.train.algorithm != "ddpm":
             return None
         return self.driver.algorithm.privacy_report(self.completed, *self.driver.participation())  # type: ignore[attr-defined, no-any-return]

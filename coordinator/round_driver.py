@@ -36,6 +36,7 @@ from coordinator.update_norms import NormBound, Verdict
 from fedsynth.wire import codec, data_plane
 from fedsynth.algorithms.base import Algorithm, snapshot_state
 from fedsynth.algorithms.robust import aggregator_for
+from fedsynth.algorithms.user_dp import UserLevelDp
 from fedsynth.allocation import assigned_quota
 from fedsynth.assembly import clients_per_round
 from fedsynth.config import RunConfig
@@ -78,7 +79,8 @@ class RoundDriver:
     def __init__(self, cfg: RunConfig, *, out_dir: Path, lock: threading.Condition, registry: ClientRegistry,
                  state: RunState, algorithm: Algorithm, sdafl: SdaflServer | None, metrics: CoordinatorMetrics,
                  progress: ProgressFeed, test_data: TrainData | None, mean_pool: MeanDataPool | None = None,
-                 fedgen: FedGenServer | None = None, refusals: RefusalLedger | None = None) -> None:
+                 fedgen: FedGenServer | None = None, refusals: RefusalLedger | None = None,
+                 user_dp: UserLevelDp | None = None) -> None:
         self.cfg = cfg
         self.out_dir = out_dir
         self.lock = lock
@@ -91,6 +93,7 @@ class RoundDriver:
         self.test_data = test_data
         self.mean_pool = mean_pool
         self.fedgen = fedgen
+        self.user_dp = user_dp  # train.dp = "user": the classifier's DP-FedAvg (its noise, epsilon and budget)
         self.current: RoundInProgress | None = None
         # train.evaluation "federated" / "both": the clients test closed rounds on their local test sets (counts only)
         self.federated = FederatedEvaluator(cfg, lock, registry) if cfg.train.evaluation != "server" else None
@@ -137,6 +140,10 @@ class RoundDriver:
                 self._await_uploads(self.mean_pool, timeout_s=runtime.registration_timeout_s)
                 self.mean_pool.save(self.out_dir)
             for number in range(self.state.completed + 1, self.cfg.train.rounds + 1):
+                if self.user_dp is not None and not self.user_dp.affords(number):
+                    self._await_evaluation()
+                    self.finish(Finished(self._budget_spent(number - 1), True, EXIT_OK))
+                    return
                 self._play_round(number)
             self._await_evaluation()
             self.finish(Finished(f"completed {self.cfg.train.rounds} rounds", True, EXIT_OK))
@@ -151,6 +158,12 @@ class RoundDriver:
             self.folds.shutdown()
             if self._evaluator is not None:
                 self._evaluator.shutdown(wait=False, cancel_futures=True)
+
+    def _budget_spent(self, completed: int) -> str:
+        assert self.user_dp is not None and self.user_dp.budget is not None
+        return (f"privacy budget spent: {completed} of {self.cfg.train.rounds} rounds completed at epsilon "
+                f"{self.user_dp.epsilon(completed):.3g}; round {completed + 1} would reach {self.user_dp.epsilon(completed + 1):.3g}, "
+                f"past train.target_epsilon = {self.user_dp.budget:g}")
 
     def finish(self, finished: Finished) -> None:
         with self.lock:
@@ -245,7 +258,8 @@ class RoundDriver:
             task_id=secrets.token_hex(8),
             sampled=sampled,
             payload=payload,
-            aggregator=aggregator_for(self.cfg.train, self.algorithm, global_state, state.server_state),
+            aggregator=aggregator_for(self.cfg.train, self.algorithm, global_state, state.server_state, user_dp=self.user_dp,
+                                      round_number=number),
             deadline_s=self.cfg.runtime.round_timeout_s,
             need=quorum_size(m, self.cfg.runtime.quorum),
             global_state=global_state,
@@ -393,7 +407,9 @@ class RoundDriver:
             **({"federated_evaluation": figures} if figures is not None else {}),
             **{key: value for key, value in closed.members.items() if value},
         }
-        if self.cfg.train.algorithm == "ddpm":  # the federated generator: epsilon so far, and the updates' norms
+        if self.user_dp is not None:  # the classifier's epsilon so far
+            summary["privacy"] = self.user_dp.report(rnd.number)
+        elif self.cfg.train.algorithm == "ddpm":  # the federated generator: epsilon so far, and the updates' norms
             summary["privacy"] = self.algorithm.privacy_report(rnd.number, *self.participation(history=[*self.state.history, summary]))  # type: ignore[attr-defined]
         if self.norm_bound.enabled:
             summary["update_norms"] = {

@@ -55,6 +55,7 @@ def build_report(
                 "bytes_sent": r["bytes_sent"],
                 "bytes_received": r["bytes_received"],
                 **({"update_norms": r["update_norms"]} if "update_norms" in r else {}),  # runtime.max_update_norm set
+                **({"epsilon": r["privacy"]["epsilon"]} if r.get("privacy") else {}),  # train.dp / federate.dp: spent so far
             }
             for r in rounds
         ],
@@ -81,7 +82,7 @@ def build_report(
             "policy": config.get("generation", {}).get("policy"),
         },
         "sdafl": sdafl or None,
-        # the federated generator's differential privacy: dp, epsilon, delta, noise_multiplier, clip, sample_rate
+        # user-level DP (train.dp, or the federated generator's federate.dp): dp, epsilon, delta, noise_multiplier, clip, sample_rate
         "privacy": coordinator.get("privacy"),
         # untrusted members (docs/security.md): every refused update {round, client, reason, message}, and the clients
         # excluded after runtime.max_refusals refusals in a row {client, round, reason}

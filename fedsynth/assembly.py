@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from fedsynth.algorithms import Algorithm, get_algorithm
+from fedsynth.algorithms.privacy import noise_multiplier_for
+from fedsynth.algorithms.user_dp import UserLevelDp
 from fedsynth.config import DataConfig, RunConfig
 from fedsynth.learning.data import ArrayDataset, load_dataset
 from fedsynth.learning.evaluation import DEFAULT_LOCAL_TEST_FRACTION, held_out_indices
@@ -26,6 +28,22 @@ FLIP_DATASETS = frozenset({"cifar10", "cifar100"})  # horizontal flips keep a na
 def clients_per_round(cfg: RunConfig) -> int:
     """m: the clients the coordinator samples each round (without replacement)."""
     return max(1, round(cfg.train.fraction * cfg.data.clients))
+
+
+def user_dp_for(cfg: RunConfig, noise_secret: bytes = b"") -> UserLevelDp | None:
+    """train.dp = "user": the run's DP-FedAvg, sigma picked for train.target_epsilon over train.rounds when
+    train.noise_multiplier is unset (ConfigError naming train.target_epsilon when no sigma reaches it); else None."""
+    t = cfg.train
+    if t.dp != "user":
+        return None
+    m, k = clients_per_round(cfg), cfg.data.clients
+    sigma = t.noise_multiplier
+    if sigma is None:
+        assert t.target_epsilon is not None  # TrainConfig.check
+        sigma = noise_multiplier_for(target_epsilon=t.target_epsilon, delta=t.dp_delta, sample_rate=m / k, steps=t.rounds,
+                                     accountant=t.dp_accountant, section="train")
+    return UserLevelDp(clip=t.dp_clip, noise_multiplier=sigma, clients=k, clients_per_round=m, delta=t.dp_delta,
+                       accountant=t.dp_accountant, budget=t.target_epsilon, seed=cfg.seed, noise_secret=noise_secret)
 
 
 def algorithm_for(cfg: RunConfig) -> Algorithm:

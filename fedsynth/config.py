@@ -58,7 +58,8 @@ LATER_DATA_KEYS = {"source": "split", "classes": None, "image_size": None, "chan
 RELEASE_0_2_KEYS = {
     "data": {"max_image_pixels": 1 << 24, "follow_symlinks": False},
     "train": {"aggregation": "mean", "aggregation_params": {}, "device": "cpu", "precision": "fp32", "optimizer": "sgd",
-              "lr_schedule": "constant", "init_weights": None},
+              "lr_schedule": "constant", "init_weights": None, "dp": "none", "dp_clip": 1.0, "noise_multiplier": None,
+              "target_epsilon": None, "dp_delta": 1e-5, "dp_accountant": "rdp"},
     "runtime": {"max_refusals": 3},
 }
 MAX_SEED = 2**32 - 1  # torch, numpy and the derived per-client seeds all take it
@@ -191,6 +192,14 @@ class TrainConfig(Section):
     # the coordinate-wise median, the trimmed mean, Krum or Multi-Krum. The robust rules hold the round's updates.
     aggregation: str = "mean"
     aggregation_params: dict[str, int | float] = field(default_factory=dict)  # the rule's parameters by name
+    # User-level differential privacy of the model (DP-FedAvg; docs/privacy.md): "none", or "user" (each client's whole
+    # data): every update clipped to dp_clip, Gaussian noise of noise_multiplier x dp_clip on the sum.
+    dp: str = "none"
+    dp_clip: float = 1.0  # S: the L2 bound of a client's update (its move from the global model), on client and server
+    noise_multiplier: float | None = None  # sigma; None: the smallest that keeps target_epsilon over train.rounds
+    target_epsilon: float | None = None  # the budget: picks sigma (noise_multiplier unset), else the run ends before passing it
+    dp_delta: float = 1e-5  # the delta epsilon is accounted at (at most 1/K is meaningful: docs/privacy.md)
+    dp_accountant: str = "rdp"  # Opacus's accountant: rdp or prv
 
     def check(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())):
@@ -212,6 +221,13 @@ class TrainConfig(Section):
         self.within("momentum", 0, 1, high_open=True)
         self.at_least(0, "weight_decay", "max_steps")
         self.parameters_of(self.algorithm, "algorithm_params")
+        self.one_of("dp", ("none", "user"))
+        self.above(0, "dp_clip", "target_epsilon")
+        self.at_least(0, "noise_multiplier")
+        self.within("dp_delta", 0, 1, low_open=True, high_open=True)
+        self.one_of("dp_accountant", ACCOUNTANTS)
+        if self.dp == "user" and self.noise_multiplier is None and self.target_epsilon is None:
+            raise ConfigError("train.dp = \"user\" needs train.target_epsilon (sigma is picked for it) or train.noise_multiplier")
 
 
 @dataclass(frozen=True)
@@ -454,10 +470,37 @@ class RunConfig(Section):
                               f"got {self.train.algorithm!r}: a robust rule replaces the weighted mean of the models only, "
                               "and this algorithm's server side is more than that (SCAFFOLD's control variates, FedGen's "
                               "generator, FedMix's mean images, SDA-FL's synthetic set and pseudo-labels, ddpm's generator)")
+        if self.train.dp == "user":
+            self._check_user_dp()
         if self.train.algorithm == "scaffold" and self.train.optimizer != "sgd":  # docs/guides/gpus.md, "Local optimizer"
             raise ConfigError(f"train.optimizer = {self.train.optimizer!r} with train.algorithm = \"scaffold\": SCAFFOLD's "
                               "control variates divide a round's move by the lr and the steps of (heavy-ball) SGD, which "
                               "an Adam step is not a multiple of; use train.optimizer = \"sgd\"")
+
+    def _check_user_dp(self) -> None:
+        """train.dp = "user" only where the noisy mean of the clipped models is everything the server learns from the
+        clients' training (docs/privacy.md says why each other setting is refused)."""
+        t, g = self.train, self.generation
+        why = {
+            "ddpm": "the federated generator has its own DP settings: federate.dp = \"user\"",
+            "scaffold": "SCAFFOLD's control variates reach the server un-noised beside the model",
+            "fedmix": "FedMix shares the clients' mean images, which no model noise covers",
+            "naivemix": "NaiveMix shares the clients' mean images, which no model noise covers",
+            "sdafl": "SDA-FL's synthetic uploads have their own (DP-GAN) guarantee and its pseudo-labels are not clipped",
+            "fedgen": "FedGen's server trains its generator on the clients' label counts and heads, outside the clipped mean",
+        }
+        if t.algorithm in why:
+            raise ConfigError(f"train.dp = \"user\" with train.algorithm = {t.algorithm!r}: {why[t.algorithm]}; "
+                              "user-level DP covers fedavg, fedprox and moon (FedEAS and its baselines are fedavg)")
+        if t.aggregation != "mean":
+            raise ConfigError(f"train.dp = \"user\" with train.aggregation = {t.aggregation!r}: DP-FedAvg's noise is calibrated "
+                              "to one client's clipped share of a sum; a robust rule (a median, Krum's pick) has another "
+                              "sensitivity; use train.aggregation = \"mean\" (the clip already bounds each client)")
+        if g.policy != "none" and g.backend == "ddpm" and g.model_dir is None and g.generator is None:
+            raise ConfigError("train.dp = \"user\" with generation.policy = " + repr(g.policy) + " and a generator trained on "
+                              "first use: it would learn the clients' own images, outside the guarantee; use "
+                              "generation.backend = \"holdout\" (held-out images no client holds), a generation.model_dir "
+                              "trained on public data, or one from `fedsynth generator federate --dp user`")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -485,6 +528,8 @@ class RunConfig(Section):
             content["wire_dtype"] = wire_dtype
         if runtime["max_update_norm"] != 0:  # a bound may clip or refuse updates; off, old fingerprints hold
             content["update_norm"] = {key: runtime[key] for key in UPDATE_NORM_KEYS}
+        if self.train.dp == "user" and self.train.noise_multiplier is None:
+            content["train"]["dp_rounds"] = self.train.rounds  # sigma follows from (target, rounds): no extending
         content["train"].pop("rounds")
         if content["train"]["algorithm"] != "ddpm":  # the section came later and changes only a generator's training
             content.pop("federate")

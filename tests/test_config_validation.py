@@ -74,6 +74,12 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "train.lr_schedule": ("str", ["linear", ""]),
     "train.init_weights": ("str?", [""]),
     "train.aggregation_params": ("table", [{"beta": 0.1}, {"f": 1}]),  # the default mean takes no parameter
+    "train.dp": ("str", ["central", "User", "sample", ""]),
+    "train.dp_clip": ("float", [0, -1.0]),
+    "train.noise_multiplier": ("float?", [-0.5]),
+    "train.target_epsilon": ("float?", [0, -3.0]),
+    "train.dp_delta": ("float", [0, 1, 1.5, -1e-5]),
+    "train.dp_accountant": ("str", ["gdp", "RDP", ""]),
     "generation.policy": ("str", ["balanced", ""]),
     "generation.beta": ("float", [0, -12]),
     "generation.budget": ("int?", [-1]),
@@ -465,7 +471,9 @@ def test_fedeas_ablation_keys_read_from_set_and_change_the_fingerprint_only_off_
     content["train"].pop("device")  # where training runs: never in the fingerprint
     for section, defaults in {"data": {"max_image_pixels": 1 << 24, "follow_symlinks": False},
                               "train": {"aggregation": "mean", "aggregation_params": {}, "precision": "fp32",
-                                        "optimizer": "sgd", "lr_schedule": "constant", "init_weights": None}}.items():
+                                        "optimizer": "sgd", "lr_schedule": "constant", "init_weights": None, "dp": "none",
+                                        "dp_clip": 1.0, "noise_multiplier": None, "target_epsilon": None, "dp_delta": 1e-5,
+                                        "dp_accountant": "rdp"}}.items():
         for key, default in defaults.items():  # the untrusted-members keys, at their defaults
             assert content[section].pop(key) == default
     content["data"].pop("local_dir")  # where the launcher finds client folders: never in the fingerprint

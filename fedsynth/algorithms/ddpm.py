@@ -5,17 +5,15 @@ server takes the N_k-weighted mean and keeps an EMA of it; dp = "user" is DP-Fed
 from __future__ import annotations
 
 import math
-import secrets
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from fedsynth.algorithms.base import Aggregator, ClientUpdate, StateDict, check_same_layout, snapshot_state
-from fedsynth.algorithms.privacy import clip_update, epsilon_spent, noise_multiplier_for
+from fedsynth.algorithms.base import Aggregator, ClientUpdate, StateDict, snapshot_state
+from fedsynth.algorithms.privacy import epsilon_spent, noise_multiplier_for
+from fedsynth.algorithms.user_dp import UserDpAggregator, UserLevelDp, clip_to_move
 from fedsynth.config import FederateConfig
 from fedsynth.config_schema import GENERATOR_TRAIN_LR
 from fedsynth.errors import StopRequested
@@ -66,8 +64,7 @@ class FedDdpm:
             model.to("cpu")  # the node keeps (and checks) its model on the CPU between rounds
         state = snapshot_state(model)
         if s.dp == "user":  # clipped here AND on the coordinator: an honest client's update arrives as it will count
-            clipped, _ = clip_update(_difference(state, start), s.clip)
-            state = {key: start[key] + value if value.is_floating_point() else value for key, value in clipped.items()}
+            state = clip_to_move(state, start, s.clip)
         return ClientUpdate(state=state, num_steps=s.local_steps, train_loss=loss_sum / s.local_steps)
 
     def _local_steps(self, model: nn.Module, data: TrainData, cfg: LocalTrainConfig, generator: torch.Generator,
@@ -124,6 +121,15 @@ class FedDdpm:
         """q of user-level DP: the share of the clients sampled each round (a fixed number, m of K)."""
         return self.clients_per_round / self.clients
 
+    def user_dp(self) -> UserLevelDp | None:
+        """dp user's DP-FedAvg (None otherwise); its noise needs noise_secret, set by the coordinator."""
+        s = self.settings
+        if s.dp != "user":
+            return None
+        return UserLevelDp(clip=s.clip, noise_multiplier=self.user_noise_multiplier(), clients=self.clients,
+                           clients_per_round=self.clients_per_round, delta=s.delta, accountant=s.accountant, seed=self.seed,
+                           noise_secret=self.noise_secret, secure_noise=s.secure_noise)
+
     def user_noise_multiplier(self) -> float:
         s = self.settings
         if s.target_epsilon is None:
@@ -159,11 +165,9 @@ class FedDdpm:
         report: dict[str, Any] = {"dp": s.dp, "delta": s.delta if s.dp != "none" else None, "clip": s.clip if s.dp != "none" else None,
                                   "accountant": s.accountant if s.dp != "none" else None, "epsilon": None,
                                   "noise_multiplier": None, "sample_rate": None, "target_epsilon": s.target_epsilon}
-        if s.dp == "user":
-            sigma = self.user_noise_multiplier()
-            report.update(noise_multiplier=sigma, sample_rate=self.sample_rate, steps=completed_rounds,
-                          epsilon=epsilon_spent(noise_multiplier=sigma, sample_rate=self.sample_rate, steps=completed_rounds,
-                                                delta=s.delta, accountant=s.accountant))
+        user = self.user_dp()
+        if user is not None:
+            report.update({key: value for key, value in user.report(completed_rounds).items() if key != "target_epsilon"})
         elif s.dp == "sample":
             per_client = {}
             for client, size in sorted((shard_sizes or {}).items()):
@@ -200,54 +204,15 @@ class FedDdpm:
         return total / n, math.nan
 
 
-def _difference(state: StateDict, reference: StateDict) -> StateDict:
-    return {key: value - reference[key] if value.is_floating_point() else value for key, value in state.items()}
-
-
-class DdpmAggregator(Aggregator):
-    """dp none/sample: the N_k-weighted mean. dp user: each update's difference from the global model clipped to S
-    (whatever the client did), summed with equal weights, Gaussian noise of standard deviation sigma*S added to the sum,
-    divided by the number of clients sampled (m, fixed: a client that drops out does not shrink the denominator).
-    Then the EMA: ema <- d*ema + (1 - d)*new global, d = min(ema_decay, (1 + r) / (10 + r)) at round r."""
+class DdpmAggregator(UserDpAggregator):
+    """dp none/sample: the N_k-weighted mean; dp user: DP-FedAvg's noisy mean (fedsynth.algorithms.user_dp). Then the
+    EMA: ema <- d*ema + (1 - d)*new global, d = min(ema_decay, (1 + r) / (10 + r)) at round r."""
 
     def __init__(self, global_state: StateDict, server_state: StateDict, *, algorithm: FedDdpm) -> None:
-        super().__init__(global_state, server_state)
+        round_number = int(server_state[ROUNDS_KEY]) + 1
+        super().__init__(global_state, server_state, dp=algorithm.user_dp(), round_number=round_number)
         self._algorithm = algorithm
-        self._round = int(server_state[ROUNDS_KEY]) + 1
-        self._user = algorithm.settings.dp == "user"
-        self._sigma = algorithm.user_noise_multiplier() if self._user else 0.0
-        self.norms: list[float] = []  # each update's norm before the server's clipping (dp user)
-
-    def add(self, state: StateDict, extra: StateDict, weight: float, *, layout_checked: bool = False, deltas: bool = False,
-            scale: float = 1.0) -> None:
-        if not self._user:
-            super().add(state, extra, weight, layout_checked=layout_checked, deltas=deltas, scale=scale)
-            return
-        if not layout_checked:
-            check_same_layout(state, self._template, what="client state")
-        difference = state if deltas else _difference(state, self._global)
-        # scale < 1: runtime.max_update_norm clipped it first; the DP clip to S then bounds it as any other update
-        clipped, norm = clip_update({key: value.to(torch.float64) * scale if value.is_floating_point() else value
-                                     for key, value in difference.items()}, self._algorithm.settings.clip)
-        self.norms.append(norm)
-        super().add(clipped, extra, 1.0, layout_checked=True, deltas=True)
-
-    def mean64(self, key: str) -> torch.Tensor:
-        if not self._user or not self._template[key][0].is_floating_point:
-            return super().mean64(key)
-        noise = torch.randn(self._sums[key].shape, generator=self._noise_generator(key), dtype=torch.float64)
-        noisy_sum = self._sums[key] + noise * (self._sigma * self._algorithm.settings.clip)
-        return self._global[key].to("cpu", torch.float64) + noisy_sum / self._algorithm.clients_per_round
-
-    def _noise_generator(self, key: str) -> torch.Generator:
-        """Seeded by (run seed, round, key, the coordinator's secret): a resumed run adds the same noise and no client,
-        which knows the seed but not the secret, can recompute it; secure_noise draws a fresh secret seed each time."""
-        if self._algorithm.settings.secure_noise:
-            return torch.Generator().manual_seed(secrets.randbits(63))
-        secret = [int(word) for word in np.frombuffer(self._algorithm.noise_secret, dtype=np.uint32)]
-        entropy = [self._algorithm.seed, self._round, zlib.crc32(key.encode()), *secret]
-        state = np.random.SeedSequence(entropy).generate_state(2, np.uint32)
-        return torch.Generator().manual_seed((int(state[0]) << 31) ^ int(state[1]))
+        self._round = round_number
 
     def finish(self) -> tuple[StateDict, StateDict]:
         new_global, server_state = super().finish()

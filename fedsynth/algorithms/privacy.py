@@ -14,9 +14,10 @@ StateDict = dict[str, torch.Tensor]
 
 
 @functools.lru_cache(maxsize=64)
-def noise_multiplier_for(*, target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float:
+def noise_multiplier_for(*, target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str,
+                         section: str = "federate") -> float:
     """The smallest sigma (within Opacus's tolerance) whose `steps` sampled Gaussian steps at `sample_rate` spend at
-    most target_epsilon at delta; ConfigError naming federate.target_epsilon when no sigma reaches it."""
+    most target_epsilon at delta; ConfigError naming {section}.target_epsilon when no sigma reaches it."""
     from opacus.accountants.utils import get_noise_multiplier  # Opacus loads only where a run is private
 
     try:
@@ -24,8 +25,8 @@ def noise_multiplier_for(*, target_epsilon: float, delta: float, sample_rate: fl
                                           steps=steps, accountant=accountant))
     except ValueError as exc:
         raise ConfigError(
-            f"federate.target_epsilon={target_epsilon!r} cannot be reached in {steps} steps at sampling rate {sample_rate:.4g} "
-            f"and delta {delta:g} with the {accountant} accountant ({exc}); raise it or federate.delta"
+            f"{section}.target_epsilon={target_epsilon!r} cannot be reached in {steps} steps at sampling rate {sample_rate:.4g} "
+            f"and delta {delta:g} with the {accountant} accountant ({exc}); raise it or the delta"
         ) from None
 
 

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fedsynth.algorithms.base import StateDict, check_same_layout
+from fedsynth.algorithms.user_dp import UserDpAggregator, UserLevelDp
 from fedsynth.config_schema import AGGREGATION_DEFAULTS, AGGREGATION_PARAMS, AGGREGATIONS
 from fedsynth.errors import ConfigError, WireError
 
@@ -63,10 +64,17 @@ PLAIN_MEAN_ALGORITHMS = ("fedavg", "fedprox", "moon")
 CHUNK_ELEMENTS = 1 << 20  # float64 scratch while finishing: n updates x (CHUNK_ELEMENTS / n) columns at a time
 
 
-def aggregator_for(train_cfg: TrainConfig, algorithm: Algorithm, global_state: StateDict, server_state: StateDict) -> Any:
-    """The round's aggregator: the algorithm's own for train.aggregation = "mean", else a RobustAggregator (typed Any:
-    coordinator.rounds.RoundInProgress declares an Aggregator, whose interface both have; RobustAggregator is no
-    subclass, which would allocate the running float64 sum it never uses)."""
+def aggregator_for(train_cfg: TrainConfig, algorithm: Algorithm, global_state: StateDict, server_state: StateDict, *,
+                   user_dp: UserLevelDp | None = None, round_number: int = 0) -> Any:
+    """The round's aggregator: DP-FedAvg's noisy mean under train.dp = "user" (`user_dp`), the algorithm's own for
+    train.aggregation = "mean", else a RobustAggregator (typed Any: coordinator.rounds.RoundInProgress declares an
+    Aggregator, whose interface both have; RobustAggregator is no subclass, which would allocate the running float64
+    sum it never uses)."""
+    if user_dp is not None:  # RunConfig.check allows it with the plain-mean algorithms and train.aggregation = "mean" only
+        if algorithm.name not in PLAIN_MEAN_ALGORITHMS or train_cfg.aggregation != "mean":
+            raise ConfigError(f"train.dp = \"user\" needs train.algorithm in {', '.join(PLAIN_MEAN_ALGORITHMS)} and "
+                              f"train.aggregation = \"mean\", got {algorithm.name!r} and {train_cfg.aggregation!r}")
+        return UserDpAggregator(global_state, server_state, dp=user_dp, round_number=round_number)
     if train_cfg.aggregation == "mean":
         return algorithm.new_aggregator(global_state, server_state)
     if algorithm.name not in PLAIN_MEAN_ALGORITHMS:

@@ -22,7 +22,9 @@ from client_node.metrics import ClientMetrics
 from client_node.sdafl_client import ensure_samples, report_failure, upload
 from client_node.synthesis import SyntheticSet, fedeas_total, synthesize
 from client_node.uploads import payload_message, stream_upload
-from fedsynth.algorithms.user_dp import clip_to_move
+from client_node.secure_update import join_secure_round, masked_update, unmask
+from fedsynth.algorithms.user_dp import UserLevelDp, clip_to_move
+from fedsynth.secagg.errors import SecAggError
 from fedsynth.wire import codec, data_plane, grpcutil, versions, wire_dtype
 from fedsynth.assembly import (
     algorithm_for,
@@ -32,6 +34,7 @@ from fedsynth.assembly import (
     local_train_config,
     model_for,
     round_generator,
+    user_dp_for,
 )
 from fedsynth.config import RunConfig, from_json
 from fedsynth.errors import ID_CLAIMED, ConfigError, DataError, FedsynthError, StopRequested, WireError
@@ -93,6 +96,8 @@ class ClientState:
     shared_images: np.ndarray | None = None  # SDA-FL: the coordinator's synthetic set, received once
     shared_digest: str = ""
     mean_pool: tuple[torch.Tensor, torch.Tensor] | None = None  # FedMix / NaiveMix: the pooled means, received once
+    run_id: str = ""  # the coordinator's (its config's fingerprint): secure aggregation binds its keys and masks to it
+    user_dp: UserLevelDp | None = None  # train.dp = "user" with secure aggregation: this client adds its share of the noise
     test: TrainData | None = None  # federated evaluation: the local test set (never trained on, never sent)
 
 
@@ -167,6 +172,9 @@ class LogicalClient:
         self._check_coordinator()
         if self.state is None:
             self.state = self._prepare(from_json(spec.config_json))
+            self.state.run_id = spec.run_id
+            if self.state.cfg.runtime.secure_aggregation:
+                self.state.user_dp = user_dp_for(self.state.cfg)
         cfg = self.state.cfg
         counts = np.bincount(self.state.real_y, minlength=self.num_classes)
         request = pb.RegisterRequest(
@@ -355,6 +363,17 @@ class LogicalClient:
         codec.check_like(global_state, self.layout, what="global model from the coordinator")
         self.model.load_state_dict(global_state)
 
+        secure = None
+        if cfg.runtime.secure_aggregation:  # SecAgg+'s key stages first: a client that misses them need not train
+            try:
+                secure = join_secure_round(stub, client_id=self.client_id, session=session, task=task, run_id=self.state.run_id,
+                                           clip=cfg.runtime.secagg_clip, timeout_s=cfg.runtime.secagg_stage_timeout_s + RPC_TIMEOUT_S)
+            except (grpc.RpcError, SecAggError) as exc:
+                if isinstance(exc, grpc.RpcError) and not _refused(exc):
+                    raise
+                log.warning("client %d: round %d: left out of secure aggregation: %s", self.client_id, task.round, _details(exc))
+                return
+
         generation_report = None
         if self.state.data is None:
             started = time.monotonic()
@@ -393,9 +412,12 @@ class LogicalClient:
         batch_size = cfg.federate.batch_size if cfg.train.algorithm == "ddpm" else cfg.train.batch_size
         self.metrics.samples_per_second.set(update.num_steps * batch_size / max(train_seconds, 1e-9))
 
-        model_group, extra_group = wire_dtype.outgoing(update.state, update.extra, global_state, cfg.runtime.wire_dtype)
-        outgoing = codec.join_prefixed(model=model_group, extra=extra_group)
-        del model_group, extra_group
+        if secure is not None:  # the round's coordinator sees this vector only masked, and only in the survivors' sum
+            outgoing = codec.join_prefixed(model=masked_update(secure, update.state, global_state, self.state.user_dp), extra={})
+        else:
+            model_group, extra_group = wire_dtype.outgoing(update.state, update.extra, global_state, cfg.runtime.wire_dtype)
+            outgoing = codec.join_prefixed(model=model_group, extra=extra_group)
+            del model_group, extra_group
         parts = encode_parts(outgoing)  # sent from the tensors' own memory: no encoded copy
         del outgoing  # the parts hold what they need
         total = sum(part.nbytes for part in parts)
@@ -426,6 +448,14 @@ class LogicalClient:
                 raise
             log.warning("client %d: round %d: the coordinator refused the update: %s", self.client_id, task.round, exc.details())
             return
+        if secure is not None:
+            try:
+                unmask(secure, timeout_s=task.deadline_s + cfg.runtime.secagg_stage_timeout_s + RPC_TIMEOUT_S)
+            except (grpc.RpcError, SecAggError) as exc:
+                if isinstance(exc, grpc.RpcError) and not _refused(exc):
+                    raise
+                log.warning("client %d: round %d: unmasking refused: %s", self.client_id, task.round, _details(exc))
+                return
         self.metrics.bytes_sent.inc(total)
         self.metrics.rounds.inc()
         log.info("client %d: round %d done (%.1fs training, loss %.4f)", self.client_id, task.round, train_seconds, update.train_loss)
@@ -491,6 +521,15 @@ class LogicalClient:
         if self.state.mean_pool is None:
             raise WireError("the task names a mean-data pool but this client never received it")
         return {"mean_x": self.state.mean_pool[0], "mean_y": self.state.mean_pool[1]}
+
+
+def _refused(exc: grpc.RpcError) -> bool:
+    """The coordinator refused this client's message for this round (not a broken connection)."""
+    return isinstance(exc, grpc.Call) and exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def _details(exc: Exception) -> str:
+    return exc.details() if isinstance(exc, grpc.Call) else str(exc)  # type: ignore[no-any-return]
 
 
 def run_clients(

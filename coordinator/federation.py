@@ -34,6 +34,8 @@ from coordinator.rounds import RoundInProgress
 from coordinator.round_driver import RoundDriver
 from coordinator.run_state import RunState
 from coordinator.schema_check import Schema, SchemaRefused, check_schema
+from coordinator.secagg.secure_round import SecureRound
+from fedsynth.secagg.model_vector import MASKED_KEY, vector_length
 from coordinator.sdafl_server import SdaflServer
 from coordinator.update_norms import update_norm
 from coordinator.members.refusals import RefusalLedger
@@ -94,6 +96,9 @@ class Federation:
         wire = cfg.runtime.wire_dtype
         self.update_layout = update_layout(wire_dtype.expected_layout(self.state.layout, wire),
                                            wire_dtype.expected_layout(extra_layout(algorithm, model), wire))
+        self.secure = cfg.runtime.secure_aggregation
+        if self.secure:  # an update is one masked vector: every floating-point element and the weight, as int32
+            self.update_layout = update_layout({MASKED_KEY: ((vector_length(model.state_dict()),), torch.int32)}, {})
         self.layout_digest = versions.layout_digest(model.state_dict())  # every node's model must have this layout
         self.num_classes = num_classes
         self.sdafl = SdaflServer(cfg, (channels, height, width), num_classes) if cfg.train.algorithm == "sdafl" else None
@@ -198,6 +203,8 @@ class Federation:
             rnd = self.driver.current
             if rnd is not None:
                 rnd.gone |= {c for c in ids if rnd.awaits(c)}
+                if isinstance(rnd.aggregator, SecureRound):
+                    rnd.aggregator.forget(ids)
             self.lock.notify_all()
         return released
 
@@ -260,6 +267,32 @@ class Federation:
         if self.driver.federated is None:
             raise StateError(f"this run's train.evaluation is {self.cfg.train.evaluation!r}: the clients do not evaluate")
         self.driver.federated.accept(client_id, session, round_number, task_id, counts)
+
+    # ---- secure aggregation's stages (called from gRPC threads; they wait for their stage to close) --------------
+
+    def secure_stage(self, client_id: int, session: str, round_number: int, task_id: str) -> tuple[RoundInProgress, SecureRound]:
+        """The open secure round this sampled client's stage message belongs to; StateError otherwise."""
+        with self.lock:
+            self.registry.record(client_id, session)
+            rnd = self.driver.current or self.driver.unmasking
+            if rnd is None or rnd.number != round_number or rnd.task_id != task_id:
+                raise StateError(f"secure aggregation message for round {round_number} (task {task_id[:8]}) but the open "
+                                 f"round is {'none' if rnd is None else rnd.number}")
+            if not isinstance(rnd.aggregator, SecureRound):
+                raise StateError("this run does not aggregate securely (runtime.secure_aggregation = false)")
+            if not rnd.awaits(client_id) and client_id not in rnd.answered:
+                raise StateError(f"client {client_id} has no part in round {rnd.number} (not sampled, refused or gone)")
+            return rnd, rnd.aggregator
+
+    def secure_refusal(self, rnd: RoundInProgress, client_id: int, problem: str) -> None:
+        """A client's stage message refused: its round is over (no stage waits for it), the run goes on."""
+        with self.lock:
+            if self.driver.current is rnd and rnd.awaits(client_id):
+                rnd.refused[client_id] = problem
+                self.refusals.refuse(rnd.number, client_id, problem)
+            if isinstance(rnd.aggregator, SecureRound):
+                rnd.aggregator.forget([client_id])
+            self.lock.notify_all()
 
     # ---- updates -----------------------------------------------------------------------------
 
@@ -351,7 +384,8 @@ class Federation:
         with receiving():
             log.info("round %d: receiving client %d's update (%d bytes)", rnd.number, client_id, header["total_bytes"])
             update = decode_update(receive(max_bytes), layout=self.update_layout, client_id=client_id, wire=self.cfg.runtime.wire_dtype)
-            check_integer_moves(update, global_state, max_steps=self._forward_passes(record.num_samples), client_id=client_id)
+            if not self.secure:  # a masked update has no integer tensors (and nothing the coordinator could check)
+                check_integer_moves(update, global_state, max_steps=self._forward_passes(record.num_samples), client_id=client_id)
             norm = update_norm(update.state, update.extra, global_state, deltas=update.deltas) if bound.enabled else None
             labels = self._pseudo_labels(client_id, local_state(update, global_state)) if self.sdafl is not None else None
             fold = self._folder(rnd, client_id, update, float(record.num_samples), labels, global_state)
@@ -415,6 +449,9 @@ class Federation:
                 global_state: dict[str, torch.Tensor]) -> Callable[[float], None]:
         """Folds the update into the round's running sum at a scale (1: as sent; below 1: clipped). A clipped update's
         model is not the one its client trained: its FedGen head and its SDA-FL pseudo-labels are left out."""
+
+        if isinstance(rnd.aggregator, SecureRound):  # stage 3 of secure aggregation: the masked update, as sent
+            return lambda scale: rnd.aggregator.add_masked(client_id, update.state[MASKED_KEY])  # type: ignore[union-attr]
 
         def fold(scale: float) -> None:
             rnd.aggregator.add(update.state, update.extra, weight, layout_checked=True, deltas=update.deltas, scale=scale)

@@ -37,6 +37,8 @@ from fedsynth.wire import codec, data_plane
 from fedsynth.algorithms.base import Algorithm, snapshot_state
 from fedsynth.algorithms.robust import aggregator_for
 from fedsynth.algorithms.user_dp import UserLevelDp
+from coordinator.secagg.secure_round import SecureRound
+from fedsynth.secagg.model_vector import round_context
 from fedsynth.allocation import assigned_quota
 from fedsynth.assembly import clients_per_round
 from fedsynth.config import RunConfig
@@ -95,6 +97,7 @@ class RoundDriver:
         self.fedgen = fedgen
         self.user_dp = user_dp  # train.dp = "user": the classifier's DP-FedAvg (its noise, epsilon and budget)
         self.current: RoundInProgress | None = None
+        self.unmasking: RoundInProgress | None = None  # a secure round closed to updates, its survivors' shares awaited
         # train.evaluation "federated" / "both": the clients test closed rounds on their local test sets (counts only)
         self.federated = FederatedEvaluator(cfg, lock, registry) if cfg.train.evaluation != "server" else None
         # No test set on the coordinator (local mode without one): no server evaluation, whatever train.evaluation says
@@ -253,13 +256,15 @@ class RoundDriver:
         global_state = self._closed_state if self._closed_state is not None else snapshot_state(state.model)
         self._closed_state = None
         payload = self._task_payload(global_state, with_images=False)
+        task_id = secrets.token_hex(8)
         rnd = RoundInProgress(
             number=number,
-            task_id=secrets.token_hex(8),
+            task_id=task_id,
             sampled=sampled,
             payload=payload,
-            aggregator=aggregator_for(self.cfg.train, self.algorithm, global_state, state.server_state, user_dp=self.user_dp,
-                                      round_number=number),
+            aggregator=(self._secure_round(number, task_id, sampled, global_state) if self.cfg.runtime.secure_aggregation
+                        else aggregator_for(self.cfg.train, self.algorithm, global_state, state.server_state, user_dp=self.user_dp,
+                                            round_number=number)),
             deadline_s=self.cfg.runtime.round_timeout_s,
             need=quorum_size(m, self.cfg.runtime.quorum),
             global_state=global_state,
@@ -276,6 +281,7 @@ class RoundDriver:
         closed_at = time.monotonic()
         with self.lock:
             self.current = None
+            self.unmasking = rnd if isinstance(rnd.aggregator, SecureRound) else None  # its survivors still send shares
         started = time.monotonic()
         self._settle_held(rnd)
         if self.norm_bound.enabled:
@@ -287,7 +293,12 @@ class RoundDriver:
         if rnd.aggregator.count < rnd.need:  # refused updates do not count towards the quorum
             raise QuorumError(f"round {number}: {rnd.aggregator.count} of {len(rnd.sampled)} sampled clients' updates were "
                               f"aggregated, {len(rnd.refused)} refused; quorum is {rnd.need}")
-        new_global, state.server_state = rnd.aggregator.finish()
+        try:
+            new_global, state.server_state = rnd.aggregator.finish()
+        finally:
+            self.unmasking = None
+        if isinstance(rnd.aggregator, SecureRound):  # who survived, and what unmasking them cost
+            members = {**members, "secure_aggregation": rnd.aggregator.summary()}
         state.model.load_state_dict(new_global)
         del new_global, global_state, payload
         rnd.release()  # the running sum, the payload and the old global state go now, not after the evaluation
@@ -307,6 +318,24 @@ class RoundDriver:
         else:
             self._next_dispatched = threading.Event()
             self._evaluating = self._evaluator.submit(self._conclude_once_dispatched, closed, self._next_dispatched)
+
+    def _secure_round(self, number: int, task_id: str, sampled: list[int], global_state: dict[str, torch.Tensor]) -> SecureRound:
+        """Round `number`'s secure aggregation: weights N_k as registered (1 each under train.dp = "user")."""
+        runtime = self.cfg.runtime
+        with self.lock:
+            weights = {c: self.registry.clients[c].num_samples for c in sampled}
+        return SecureRound(global_state, sampled=sampled, weights=weights, lock=self.lock,
+                           context=round_context(self.state.run_id, number, task_id), neighbours=runtime.secagg_neighbours,
+                           threshold=runtime.secagg_threshold, clip=runtime.secagg_clip,
+                           stage_timeout_s=runtime.secagg_stage_timeout_s, round_timeout_s=runtime.round_timeout_s,
+                           dp=self.user_dp, missed=self._missed_stage)
+
+    def _missed_stage(self, client_id: int, why: str) -> None:
+        """A sampled client that missed a key-exchange stage cannot send a masked update: the round stops waiting."""
+        rnd = self.current
+        if rnd is not None and rnd.awaits(client_id):
+            rnd.refused[client_id] = why
+            log.warning("round %d: client %d %s", rnd.number, client_id, why)
 
     def record_verdict(self, rnd: RoundInProgress, client_id: int, verdict: Verdict) -> None:
         """Log, count and note in the round an update past the bound (the caller folds it or refuses it)."""

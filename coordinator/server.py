@@ -29,6 +29,7 @@ CLAIMED_CLIENT_ID: dict[str, tls.ClaimedClientId] = {
     "UploadMeanData": lambda first: first.header.client_id if first.WhichOneof("kind") == "header" else None,
     "ReportSetupFailure": lambda request: request.client_id,
     "SubmitEvaluation": lambda request: request.client_id,
+    "SecureAggregation": lambda request: request.client_id,
 }
 
 # With mutual TLS, only an operator certificate (the launcher's) may call these: a client's certificate cannot hold

@@ -16,6 +16,7 @@ import torch
 from coordinator.dispatch import Finished, TaskDelivery
 from coordinator.federation import Federation
 from coordinator.update_folds import FOLD_BACKLOG
+from coordinator.secagg.stage_messages import answer_stage
 from coordinator.receive_slots import SLOTTED_UPLOAD_BYTES, UPLOAD_SLOTS, ReceiveSlots, UploadCancelled
 from coordinator.updates import header_fields
 from fedsynth.wire import codec, versions
@@ -266,6 +267,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except (WireError, StateError) as exc:
             _abort_for(context, exc)
         return pb.ReleaseReply(released=released)
+
+    def SecureAggregation(self, request: pb.SecAggRequest, context: grpc.ServicerContext) -> pb.SecAggReply:
+        try:
+            return answer_stage(self.federation, request)
+        except (WireError, StateError) as exc:
+            log.warning("secure aggregation message refused: %s", exc)
+            _abort_for(context, exc)
+            raise  # not reached: abort raises
 
     def WatchRounds(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.RoundSummary]:
         if not self._watchers.acquire(blocking=False):

@@ -56,6 +56,7 @@ def build_report(
                 "bytes_received": r["bytes_received"],
                 **({"update_norms": r["update_norms"]} if "update_norms" in r else {}),  # runtime.max_update_norm set
                 **({"epsilon": r["privacy"]["epsilon"]} if r.get("privacy") else {}),  # train.dp / federate.dp: spent so far
+                **({"secure_aggregation": r["secure_aggregation"]} if "secure_aggregation" in r else {}),  # survivors, dropped
             }
             for r in rounds
         ],

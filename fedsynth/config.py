@@ -373,9 +373,21 @@ class RuntimeConfig(Section):
     # A client whose updates are refused this many rounds in a row is excluded from the run (report.json
     # excluded_clients); 0 = never excluded.
     max_refusals: int = 3
+    # Secure aggregation (SecAgg+, docs/secure-aggregation.md): the coordinator sees only the masked sum of a round's
+    # updates. Each client is paired with secagg_neighbours others (0: all the sampled clients; else even), and any
+    # secagg_threshold of them (0: a majority, floor(neighbours / 2) + 1) rebuild a lost client's masks. Each element of
+    # a client's move from the global model is clipped to +-secagg_clip before fixed-point quantisation in Z_2^32.
+    secure_aggregation: bool = False
+    secagg_neighbours: int = 0
+    secagg_threshold: int = 0
+    secagg_clip: float = 4.0
+    secagg_stage_timeout_s: float = 60.0  # how long a key-exchange or unmasking stage waits for the sampled clients
 
     def check(self) -> None:
-        self.at_least(0, "max_refusals")
+        self.at_least(0, "max_refusals", "secagg_neighbours", "secagg_threshold")
+        if self.secagg_neighbours % 2:
+            self._fail("secagg_neighbours", "0 (all) or an even number (each client's neighbours sit on both sides of a ring)")
+        self.above(0, "secagg_clip", "secagg_stage_timeout_s")
         self.non_empty("host", "tls_dir")
         self.one_of("wire_dtype", WIRE_DTYPES)
         self.one_of("data_plane", DATA_PLANES)
@@ -472,6 +484,8 @@ class RunConfig(Section):
                               "generator, FedMix's mean images, SDA-FL's synthetic set and pseudo-labels, ddpm's generator)")
         if self.train.dp == "user":
             self._check_user_dp()
+        if self.runtime.secure_aggregation:
+            self._check_secure_aggregation()
         if self.train.algorithm == "scaffold" and self.train.optimizer != "sgd":  # docs/guides/gpus.md, "Local optimizer"
             raise ConfigError(f"train.optimizer = {self.train.optimizer!r} with train.algorithm = \"scaffold\": SCAFFOLD's "
                               "control variates divide a round's move by the lr and the steps of (heavy-ball) SGD, which "
@@ -502,6 +516,40 @@ class RunConfig(Section):
                               "generation.backend = \"holdout\" (held-out images no client holds), a generation.model_dir "
                               "trained on public data, or one from `fedsynth generator federate --dp user`")
 
+    def _check_secure_aggregation(self) -> None:
+        """runtime.secure_aggregation only where the server needs nothing but the weighted sum of the models, and
+        with a threshold the round's neighbours can meet (docs/secure-aggregation.md)."""
+        t, r = self.train, self.runtime
+        why = {
+            "scaffold": "its control variates would need a second masked sum (not built yet)",
+            "fedmix": "its clients share mean images in the clear beside the model",
+            "naivemix": "its clients share mean images in the clear beside the model",
+            "sdafl": "its server pseudo-labels with each client's model, which a masked sum hides",
+            "fedgen": "its server trains a generator on each client's classifier head, which a masked sum hides",
+            "ddpm": "not built yet for the federated generator",
+        }
+        if t.algorithm in why:
+            raise ConfigError(f"runtime.secure_aggregation with train.algorithm = {t.algorithm!r}: {why[t.algorithm]}; "
+                              "it covers fedavg, fedprox and moon (FedEAS and its baselines are fedavg)")
+        if t.aggregation != "mean":
+            raise ConfigError(f"runtime.secure_aggregation with train.aggregation = {t.aggregation!r}: a robust rule needs "
+                              "each client's update, and secure aggregation shows the server only their sum")
+        if r.max_update_norm != 0:
+            raise ConfigError(f"runtime.secure_aggregation with runtime.max_update_norm = {r.max_update_norm!r}: the server "
+                              "cannot measure a masked update's norm; each client clips its own (runtime.secagg_clip, "
+                              "train.dp_clip)")
+        if r.wire_dtype != "float32":
+            raise ConfigError(f"runtime.secure_aggregation with runtime.wire_dtype = {r.wire_dtype!r}: a masked update is "
+                              "32-bit integers whatever the wire dtype; leave it at float32")
+        m = max(1, round(t.fraction * self.data.clients))
+        holders = m - 1 if r.secagg_neighbours == 0 else min(r.secagg_neighbours, m - 1)
+        if holders < 1:
+            raise ConfigError(f"runtime.secure_aggregation needs at least 2 clients a round, got {m} "
+                              "(train.fraction x data.clients)")
+        if r.secagg_threshold and not holders / 2 < r.secagg_threshold <= holders:
+            raise ConfigError(f"runtime.secagg_threshold = {r.secagg_threshold} must exceed half of each client's "
+                              f"{holders} neighbours and not exceed them (0: {holders // 2 + 1})")
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -526,6 +574,8 @@ class RunConfig(Section):
         wire_dtype = runtime["wire_dtype"]
         if wire_dtype != "float32":  # rounding the updates changes results; at the default, old fingerprints hold
             content["wire_dtype"] = wire_dtype
+        if runtime["secure_aggregation"]:  # quantised sums (and distributed DP noise); off, old fingerprints hold
+            content["secure_aggregation"] = {key: runtime[key] for key in ("secagg_neighbours", "secagg_threshold", "secagg_clip")}
         if runtime["max_update_norm"] != 0:  # a bound may clip or refuse updates; off, old fingerprints hold
             content["update_norm"] = {key: runtime[key] for key in UPDATE_NORM_KEYS}
         if self.train.dp == "user" and self.train.noise_multiplier is None:

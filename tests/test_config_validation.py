@@ -74,6 +74,11 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "train.lr_schedule": ("str", ["linear", ""]),
     "train.init_weights": ("str?", [""]),
     "train.aggregation_params": ("table", [{"beta": 0.1}, {"f": 1}]),  # the default mean takes no parameter
+    "runtime.secure_aggregation": ("bool", []),
+    "runtime.secagg_neighbours": ("int", [-2, 3]),
+    "runtime.secagg_threshold": ("int", [-1]),
+    "runtime.secagg_clip": ("float", [0, -1.0]),
+    "runtime.secagg_stage_timeout_s": ("float", [0, -5.0]),
     "train.dp": ("str", ["central", "User", "sample", ""]),
     "train.dp_clip": ("float", [0, -1.0]),
     "train.noise_multiplier": ("float?", [-0.5]),

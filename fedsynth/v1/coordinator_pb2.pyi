@@ -361,3 +361,95 @@ class ReleaseReply(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, released: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SecAggKeys(_message.Message):
+    __slots__ = ("encryption", "masking")
+    ENCRYPTION_FIELD_NUMBER: _ClassVar[int]
+    MASKING_FIELD_NUMBER: _ClassVar[int]
+    encryption: bytes
+    masking: bytes
+    def __init__(self, encryption: _Optional[bytes] = ..., masking: _Optional[bytes] = ...) -> None: ...
+
+class SecAggBoxes(_message.Message):
+    __slots__ = ("boxes",)
+    class BoxesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: bytes
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[bytes] = ...) -> None: ...
+    BOXES_FIELD_NUMBER: _ClassVar[int]
+    boxes: _containers.ScalarMap[int, bytes]
+    def __init__(self, boxes: _Optional[_Mapping[int, bytes]] = ...) -> None: ...
+
+class SecAggUnmaskWait(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SecAggShares(_message.Message):
+    __slots__ = ("self_mask", "mask_key")
+    class SelfMaskEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: bytes
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[bytes] = ...) -> None: ...
+    class MaskKeyEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: bytes
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[bytes] = ...) -> None: ...
+    SELF_MASK_FIELD_NUMBER: _ClassVar[int]
+    MASK_KEY_FIELD_NUMBER: _ClassVar[int]
+    self_mask: _containers.ScalarMap[int, bytes]
+    mask_key: _containers.ScalarMap[int, bytes]
+    def __init__(self, self_mask: _Optional[_Mapping[int, bytes]] = ..., mask_key: _Optional[_Mapping[int, bytes]] = ...) -> None: ...
+
+class SecAggRequest(_message.Message):
+    __slots__ = ("client_id", "session", "round", "task_id", "keys", "boxes", "unmask_wait", "shares")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    BOXES_FIELD_NUMBER: _ClassVar[int]
+    UNMASK_WAIT_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    session: str
+    round: int
+    task_id: str
+    keys: SecAggKeys
+    boxes: SecAggBoxes
+    unmask_wait: SecAggUnmaskWait
+    shares: SecAggShares
+    def __init__(self, client_id: _Optional[int] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., keys: _Optional[_Union[SecAggKeys, _Mapping]] = ..., boxes: _Optional[_Union[SecAggBoxes, _Mapping]] = ..., unmask_wait: _Optional[_Union[SecAggUnmaskWait, _Mapping]] = ..., shares: _Optional[_Union[SecAggShares, _Mapping]] = ...) -> None: ...
+
+class SecAggReply(_message.Message):
+    __slots__ = ("neighbour_keys", "threshold", "weight", "total_weight", "boxes", "survivors", "dropped")
+    class NeighbourKeysEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: SecAggKeys
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[SecAggKeys, _Mapping]] = ...) -> None: ...
+    NEIGHBOUR_KEYS_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    BOXES_FIELD_NUMBER: _ClassVar[int]
+    SURVIVORS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    neighbour_keys: _containers.MessageMap[int, SecAggKeys]
+    threshold: int
+    weight: int
+    total_weight: int
+    boxes: SecAggBoxes
+    survivors: _containers.RepeatedScalarFieldContainer[int]
+    dropped: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, neighbour_keys: _Optional[_Mapping[int, SecAggKeys]] = ..., threshold: _Optional[int] = ..., weight: _Optional[int] = ..., total_weight: _Optional[int] = ..., boxes: _Optional[_Union[SecAggBoxes, _Mapping]] = ..., survivors: _Optional[_Iterable[int]] = ..., dropped: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -89,6 +89,11 @@ class CoordinatorStub:
                 request_serializer=fedsynth_dot_v1_dot_coordinator__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.ReleaseReply.FromString,
                 _registered_method=True)
+        self.SecureAggregation = channel.unary_unary(
+                '/fedsynth.v1.Coordinator/SecureAggregation',
+                request_serializer=fedsynth_dot_v1_dot_coordinator__pb2.SecAggRequest.SerializeToString,
+                response_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.SecAggReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -178,6 +183,17 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SecureAggregation(self, request, context):
+        """Secure aggregation (runtime.secure_aggregation; docs/secure-aggregation.md): one SecAgg+ stage of a sampled
+        client's round. Each call waits until its stage closes (every client it waits for answered, or
+        runtime.secagg_stage_timeout_s passed) and answers what the client needs next; the masked input itself is the
+        round's update (SubmitUpdate). A message out of turn, from a client not sampled or with malformed keys or boxes is
+        refused (INVALID_ARGUMENT / FAILED_PRECONDITION) and costs that client the round.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -235,6 +251,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ReleaseClients,
                     request_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.ReleaseRequest.FromString,
                     response_serializer=fedsynth_dot_v1_dot_coordinator__pb2.ReleaseReply.SerializeToString,
+            ),
+            'SecureAggregation': grpc.unary_unary_rpc_method_handler(
+                    servicer.SecureAggregation,
+                    request_deserializer=fedsynth_dot_v1_dot_coordinator__pb2.SecAggRequest.FromString,
+                    response_serializer=fedsynth_dot_v1_dot_coordinator__pb2.SecAggReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -534,6 +555,33 @@ class Coordinator:
             '/fedsynth.v1.Coordinator/ReleaseClients',
             fedsynth_dot_v1_dot_coordinator__pb2.ReleaseRequest.SerializeToString,
             fedsynth_dot_v1_dot_coordinator__pb2.ReleaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SecureAggregation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedsynth.v1.Coordinator/SecureAggregation',
+            fedsynth_dot_v1_dot_coordinator__pb2.SecAggRequest.SerializeToString,
+            fedsynth_dot_v1_dot_coordinator__pb2.SecAggReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,72 @@
+"""A client's side of a secure round (runtime.secure_aggregation): SecAgg+'s two key stages before it trains, its
+update masked after, and its unmasking shares once the round closed (fedsynth.secagg holds the cryptography)."""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fedsynth.algorithms.user_dp import UserLevelDp
+from fedsynth.secagg.model_vector import MASKED_KEY, flat_move, round_context
+from fedsynth.secagg.protocol import AdvertisedKeys, ClientState, advertise, masked_input, share_keys, unmask_shares
+from fedsynth.secagg.quantize import QuantRange, encode, with_weight
+from fedsynth.v1 import coordinator_pb2 as pb
+from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
+
+
+@dataclass
+class SecureRoundClient:
+    """What a client keeps through one secure round: its SecAgg+ state, the boxes sealed to it, its weight and range."""
+
+    stub: pb_grpc.CoordinatorStub
+    ids: dict[str, object]  # client_id, session, round, task_id: every stage message carries them
+    state: ClientState
+    received: dict[int, bytes]
+    weight: int
+    quant: QuantRange
+
+    def call(self, timeout_s: float, **stage: object) -> pb.SecAggReply:
+        return self.stub.SecureAggregation(pb.SecAggRequest(**self.ids, **stage), timeout=timeout_s)  # type: ignore[arg-type]
+
+
+def join_secure_round(stub: pb_grpc.CoordinatorStub, *, client_id: int, session: str, task: pb.Task, run_id: str,
+                      clip: float, timeout_s: float) -> SecureRoundClient:
+    """Stages 1 and 2: advertise fresh keys, seal Shamir shares of the self-mask seed and the masking key to the
+    neighbours the coordinator names; each call returns once its stage closed (at most `timeout_s`)."""
+    ids: dict[str, object] = {"client_id": client_id, "session": session, "round": task.round, "task_id": task.task_id}
+    keys = advertise()
+    public = keys.public()
+    first = stub.SecureAggregation(pb.SecAggRequest(**ids, keys=pb.SecAggKeys(encryption=public.encryption, masking=public.masking)),  # type: ignore[arg-type]
+                                   timeout=timeout_s)
+    neighbours = {v: AdvertisedKeys(k.encryption, k.masking) for v, k in first.neighbour_keys.items()}
+    state, boxes = share_keys(client_id, keys, neighbours, threshold=first.threshold,
+                              context=round_context(run_id, task.round, task.task_id))
+    second = stub.SecureAggregation(pb.SecAggRequest(**ids, boxes=pb.SecAggBoxes(boxes=boxes)), timeout=timeout_s)  # type: ignore[arg-type]
+    return SecureRoundClient(stub, ids, state, dict(second.boxes.boxes), int(first.weight),
+                             QuantRange(clip, total_weight=int(first.total_weight)))
+
+
+def masked_update(secure: SecureRoundClient, new_state: dict[str, torch.Tensor], global_state: dict[str, torch.Tensor],
+                  dp: UserLevelDp | None) -> dict[str, torch.Tensor]:
+    """Stage 3: the move (clipped to S under DP, with this client's share of the noise, N(0, (sigma*S)^2 / m) per
+    element, from a CSPRNG seed the coordinator never sees), quantised, weighted, masked: the update's one tensor."""
+    move = flat_move(new_state, global_state)
+    if dp is not None:
+        generator = torch.Generator().manual_seed(secrets.randbits(63))
+        std = dp.noise_multiplier * dp.clip / math.sqrt(dp.clients_per_round)
+        move = move + torch.randn(len(move), generator=generator, dtype=torch.float64).numpy() * std
+    vector = with_weight(encode(move, secure.weight, secure.quant), secure.weight)
+    masked = masked_input(secure.state, vector, secure.received)
+    return {MASKED_KEY: torch.from_numpy(masked.view(np.int32))}
+
+
+def unmask(secure: SecureRoundClient, timeout_s: float) -> None:
+    """Stage 4: once the round closed, this client's shares of the survivors' self-mask seeds and of the dropped
+    clients' masking keys (never both of one client)."""
+    reply = secure.call(timeout_s, unmask_wait=pb.SecAggUnmaskWait())
+    shares = unmask_shares(secure.state, secure.received, survivors=reply.survivors, dropped=reply.dropped)
+    secure.call(timeout_s, shares=pb.SecAggShares(self_mask=shares.self_mask_shares, mask_key=shares.mask_key_shares))

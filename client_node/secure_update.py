@@ -12,7 +12,8 @@ import torch
 
 from fedsynth.algorithms.user_dp import UserLevelDp
 from fedsynth.secagg.model_vector import MASKED_KEY, flat_move, round_context
-from fedsynth.secagg.protocol import AdvertisedKeys, ClientState, advertise, masked_input, share_keys, unmask_shares
+from fedsynth.secagg.protocol import (AdvertisedKeys, ClientState, advertise, masked_input, seed_commitment, share_keys,
+                                      unmask_shares)
 from fedsynth.secagg.quantize import QuantRange, encode, with_weight
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
@@ -43,9 +44,11 @@ def join_secure_round(stub: pb_grpc.CoordinatorStub, *, client_id: int, session:
     first = stub.SecureAggregation(pb.SecAggRequest(**ids, keys=pb.SecAggKeys(encryption=public.encryption, masking=public.masking)),  # type: ignore[arg-type]
                                    timeout=timeout_s)
     neighbours = {v: AdvertisedKeys(k.encryption, k.masking) for v, k in first.neighbour_keys.items()}
-    state, boxes = share_keys(client_id, keys, neighbours, threshold=first.threshold,
-                              context=round_context(run_id, task.round, task.task_id))
-    second = stub.SecureAggregation(pb.SecAggRequest(**ids, boxes=pb.SecAggBoxes(boxes=boxes)), timeout=timeout_s)  # type: ignore[arg-type]
+    context = round_context(run_id, task.round, task.task_id)
+    state, boxes = share_keys(client_id, keys, neighbours, threshold=first.threshold, context=context)
+    commitment = seed_commitment(state.self_mask_seed, context)
+    second = stub.SecureAggregation(pb.SecAggRequest(**ids, boxes=pb.SecAggBoxes(boxes=boxes, seed_commitment=commitment)),  # type: ignore[arg-type]
+                                    timeout=timeout_s)
     return SecureRoundClient(stub, ids, state, dict(second.boxes.boxes), int(first.weight),
                              QuantRange(clip, total_weight=int(first.total_weight)))
 

@@ -220,6 +220,10 @@ class Federation:
 
     def close_stream(self, client_id: int, outbox: queue.Queue[Any]) -> None:
         self.registry.close_stream(client_id, outbox)
+        with self.lock:  # a secure round's stages stop waiting for it (its shares are one holder's of many)
+            for rnd in (self.driver.current, self.driver.unmasking):
+                if rnd is not None and isinstance(rnd.aggregator, SecureRound):
+                    rnd.aggregator.forget([client_id])
 
     def heartbeat(self, client_id: int, session: str) -> bool:
         return self.registry.heartbeat(client_id, session)

@@ -21,6 +21,7 @@ from fedsynth.secagg.protocol import (
     advertise,
     masked_input,
     share_keys,
+    seed_commitment,
     unmask_shares,
 )
 from fedsynth.secagg.quantize import QuantRange, decode_mean, decode_sum, encode, with_weight
@@ -69,6 +70,7 @@ def run_round(
     lost_before_share: Collection[int] = (),
     lost_before_mask: Collection[int] = (),
     lost_before_unmask: Collection[int] = (),
+    lying: Collection[int] = (),
 ) -> tuple[np.ndarray, frozenset[int], dict[int, np.ndarray]]:
     """One full round through the four stages: (the server's sum, the survivors, what the server received)."""
     clients = sorted(encoded)
@@ -81,7 +83,7 @@ def run_round(
     for c in clients:
         if c not in lost_before_share:
             states[c], boxes = share_keys(c, keys[c], server.keys_for(c), threshold=THRESHOLD, context=CONTEXT, rng_bytes=draw)
-            server.add_sealed(c, boxes)
+            server.add_sealed(c, boxes, seed_commitment(states[c].self_mask_seed, CONTEXT))
     received = {c: server.sealed_for(c) for c in states}
     masked = {}
     for c in states:
@@ -94,6 +96,11 @@ def run_round(
         for c in sorted(survivors)
         if c not in lost_before_unmask
     }
+    for c in lying:  # a holder that sends a wrong (well-formed) share of every secret it holds
+        reply = replies[c]
+        wrong = {owner: ((int.from_bytes(share, "big") + 1) % PRIME).to_bytes(SHARE_BYTES, "big")
+                 for owner, share in {**reply.self_mask_shares, **reply.mask_key_shares}.items()}
+        replies[c] = UnmaskReply(c, {o: wrong[o] for o in reply.self_mask_shares}, {o: wrong[o] for o in reply.mask_key_shares})
     return server.unmask(replies), survivors, masked
 
 
@@ -128,6 +135,14 @@ def test_a_round_with_lost_clients_sums_exactly_the_survivors(stage: str, lost: 
     assert np.array_equal(total, plain_sum(encoded, survivors))
     assert not np.array_equal(total, plain_sum(encoded, range(CLIENTS))) or stage == "unmask"
     assert decode_mean(total, quant)[1] == sum(weights[c] for c in survivors)
+
+
+def test_holders_sending_wrong_shares_are_outvoted_and_the_sum_stays_exact() -> None:
+    _, _, _, encoded = client_updates(seed=4)
+    total, survivors, _ = run_round(encoded, degree=CLIENTS, lost_before_mask={3}, lying={0, 5})  # 9 holders, t = 6
+    assert np.array_equal(total, plain_sum(encoded, survivors)) and 3 not in survivors
+    with pytest.raises(SecAggError, match="sent wrong shares"):  # 4 liars of 8 answering holders: no 6 honest ones
+        run_round(encoded, degree=CLIENTS, lost_before_mask={3}, lying={0, 1, 2, 5})
 
 
 def test_the_server_refuses_to_unmask_with_fewer_shares_than_the_threshold() -> None:

@@ -52,6 +52,7 @@ class SecureRound:
         self._closes_by = self._opened + round_timeout_s  # the round's deadline: the survivors are known by then
         self._stage = 1
         self._gone: set[int] = set()
+        self._short: dict[int, str] = {}  # clients left out after stage 1: too few neighbours to hold their shares
         self._survivors: tuple[frozenset[int], frozenset[int]] | None = None
         self._replies: dict[int, UnmaskReply] = {}
         self.count = 0  # masked updates taken
@@ -66,15 +67,17 @@ class SecureRound:
             self.server.add_public_keys(client, keys)
             self._lock.notify_all()
             self._await(1, lambda: set(self.weights) - self._gone - set(self.server.public_keys))
-            if client not in self.server.public_keys:
-                raise SecAggError(f"client {client}'s keys were not taken")
+            if client in self._short:
+                raise SecAggError(self._short[client])
             return self.server.keys_for(client), self.weights[client], self.quant.total_weight
 
-    def share(self, client: int, boxes: dict[int, bytes]) -> dict[int, bytes]:
+    def share(self, client: int, boxes: dict[int, bytes], commitment: bytes) -> dict[int, bytes]:
         """Stage 2: the boxes sealed to this client, once every client that advertised shared (or the stage closed)."""
         with self._lock:
             self._require_stage(2, client, "sealed shares")
-            self.server.add_sealed(client, boxes)
+            if len(commitment) != 32:
+                raise SecAggError(f"client {client}'s seed commitment is {len(commitment)} bytes, not 32")
+            self.server.add_sealed(client, boxes, commitment)
             self._lock.notify_all()
             self._await(2, lambda: set(self.server.public_keys) - self._gone - set(self.server.sealed))
             return self.server.sealed_for(client)
@@ -94,7 +97,21 @@ class SecureRound:
             self._stage, self._opened = stage + 1, time.monotonic()
             for missing in late:
                 self._missed(missing, f"missed secure aggregation's stage {stage} (runtime.secagg_stage_timeout_s)")
+            if stage == 1:
+                self._drop_short_of_holders()
             self._lock.notify_all()
+
+    def _drop_short_of_holders(self) -> None:
+        """After stage 1: a client with fewer advertised neighbours than the threshold cannot share its secrets (nor
+        can it be unmasked): it leaves the round now, and the round stops waiting for it, instead of at its deadline."""
+        advertised = set(self.server.public_keys)
+        for client in sorted(advertised):
+            holders = len(advertised & set(self.server.neighbours[client]))
+            if holders < self.threshold:
+                self._short[client] = (f"client {client}: only {holders} of its neighbours took part in secure aggregation's "
+                                       f"key stage, fewer than the threshold {self.threshold}")
+                self._gone.add(client)
+                self._missed(client, self._short[client])
 
     def forget(self, clients: Collection[int]) -> None:
         """Clients gone (released, refused): no stage waits for them. Under the lock."""

@@ -22,7 +22,8 @@ def answer_stage(federation: Federation, request: pb.SecAggRequest) -> pb.SecAgg
                 neighbour_keys={v: pb.SecAggKeys(encryption=k.encryption, masking=k.masking) for v, k in keys.items()},
                 threshold=secure.threshold, weight=weight, total_weight=total)
         if stage == "boxes":
-            return pb.SecAggReply(boxes=pb.SecAggBoxes(boxes=secure.share(client, dict(request.boxes.boxes))))
+            boxes = secure.share(client, dict(request.boxes.boxes), request.boxes.seed_commitment)
+            return pb.SecAggReply(boxes=pb.SecAggBoxes(boxes=boxes))
         if stage == "unmask_wait":
             survivors, dropped = secure.unmask_request(client)
             return pb.SecAggReply(survivors=sorted(survivors), dropped=sorted(dropped))

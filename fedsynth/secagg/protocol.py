@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import secrets
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from fedsynth.secagg.keystream import expand
 from fedsynth.secagg.shamir import SHARE_BYTES, combine, split
 
 ID_BYTES = 8
+MAX_SHARE_SETS = 256  # sets of `threshold` shares tried per secret before it is declared lost
 BOX_BYTES = NONCE_BYTES + 2 * ID_BYTES + 2 * SHARE_BYTES + TAG_BYTES
 
 
@@ -76,6 +79,12 @@ def _check_threshold(threshold: int, holders: int, whose: str) -> None:
     # rebuild one of a client's two secrets, whatever survivor lists a dishonest server shows them.
     if not holders / 2 < threshold <= holders:
         raise SecAggError(f"{whose}: threshold {threshold} must exceed half of its {holders} share holders and not exceed them")
+
+
+def seed_commitment(seed: bytes, context: bytes) -> bytes:
+    """SHA-256 of a self-mask seed, sent at stage 2: the server can tell a seed rebuilt from honest shares from one
+    rebuilt with a lying holder's share, and try another set of shares (a hostile holder costs itself, not the round)."""
+    return hashlib.sha256(b"fedsynth-secagg-seed" + context + seed).digest()
 
 
 def advertise(rng_bytes: Callable[[int], bytes] | None = None) -> ClientKeys:
@@ -189,6 +198,7 @@ class ServerRound:
         self.public_keys: dict[int, AdvertisedKeys] = {}
         self.sealed: dict[int, dict[int, bytes]] = {}  # sender -> recipient -> box
         self.masked: dict[int, np.ndarray] = {}
+        self.commitments: dict[int, bytes] = {}
         self.stage = 1
 
     def _open_stage(self, stage: int, client: int, what: str) -> None:
@@ -211,8 +221,11 @@ class ServerRound:
         self.stage = max(self.stage, 2)
         return {v: self.public_keys[v] for v in self.neighbours[client] if v in self.public_keys}
 
-    def add_sealed(self, sender: int, boxes: Mapping[int, bytes]) -> None:
+    def add_sealed(self, sender: int, boxes: Mapping[int, bytes], commitment: bytes = b"") -> None:
+        """A client's sealed shares by recipient, and its `seed_commitment` (empty: its seed is taken unchecked)."""
         self._open_stage(2, sender, "sealed shares")
+        if commitment and len(commitment) != 32:
+            raise SecAggError(f"client {sender}'s seed commitment is {len(commitment)} bytes, not 32")
         if sender not in self.public_keys:
             raise SecAggError(f"client {sender} sent sealed shares without having advertised keys")
         expected = {v for v in self.neighbours[sender] if v in self.public_keys}
@@ -221,6 +234,7 @@ class ServerRound:
         if wrong := sorted(v for v, box in boxes.items() if len(box) != BOX_BYTES):
             raise SecAggError(f"client {sender}'s sealed boxes for {wrong} are not {BOX_BYTES} bytes")
         self.sealed[sender] = dict(boxes)
+        self.commitments[sender] = bytes(commitment)
 
     def sealed_for(self, recipient: int) -> dict[int, bytes]:
         """The boxes addressed to `recipient`, by sender."""
@@ -268,11 +282,15 @@ class ServerRound:
         for client in sorted(survivors):
             total += self.masked[client]
         for client in sorted(survivors):
-            total -= expand(self._recover(seed_shares[client], client, "self-mask seed"), self.length)
+            commitment = self.commitments.get(client, b"")
+            seed = self._recover(seed_shares[client], client, "self-mask seed",
+                                 lambda secret, c=commitment: not c or seed_commitment(secret, self.context) == c)
+            total -= expand(seed, self.length)
         for gone in sorted(dropped):
-            private = X25519PrivateKey.from_private_bytes(self._recover(key_shares[gone], gone, "mask key"))
-            if private.public_key().public_bytes_raw() != self.public_keys[gone].masking:
-                raise SecAggError(f"client {gone}'s mask key rebuilt from shares does not match its public key")
+            public = self.public_keys[gone].masking
+            private = X25519PrivateKey.from_private_bytes(self._recover(
+                key_shares[gone], gone, "mask key",
+                lambda secret, p=public: X25519PrivateKey.from_private_bytes(secret).public_key().public_bytes_raw() == p))
             for survivor in sorted(survivors & self.sealed[gone].keys()):
                 seed = _pair_key(private, self.public_keys[survivor].masking, b"mask", self.context, gone, survivor)
                 # The survivor added +mask when its id is the smaller one, -mask otherwise: undo that.
@@ -282,10 +300,17 @@ class ServerRound:
                     total += expand(seed, self.length)
         return total
 
-    def _recover(self, shares: dict[int, bytes], owner: int, what: str) -> bytes:
+    def _recover(self, shares: dict[int, bytes], owner: int, what: str, check: Callable[[bytes], bool]) -> bytes:
+        """The secret from `threshold` of the shares that `check` accepts: the first set in holder order, else the next
+        ones (at most MAX_SHARE_SETS), so that a holder who sent a wrong share is outvoted by the honest majority."""
         if len(shares) < self.threshold:
             raise SecAggError(f"client {owner}'s {what}: {len(shares)} shares of {self.threshold} needed")
-        try:
-            return combine(shares, threshold=self.threshold)
-        except SecAggError as error:
-            raise SecAggError(f"client {owner}'s {what}: {error}") from None
+        for holders in itertools.islice(itertools.combinations(sorted(shares), self.threshold), MAX_SHARE_SETS):
+            try:
+                secret = combine({h: shares[h] for h in holders}, threshold=self.threshold)
+            except SecAggError:
+                continue
+            if check(secret):
+                return secret
+        raise SecAggError(f"client {owner}'s {what}: no {self.threshold} of the {len(shares)} shares from holders "
+                          f"{sorted(shares)} rebuild it (some holders sent wrong shares)")

@@ -371,7 +371,7 @@ class SecAggKeys(_message.Message):
     def __init__(self, encryption: _Optional[bytes] = ..., masking: _Optional[bytes] = ...) -> None: ...
 
 class SecAggBoxes(_message.Message):
-    __slots__ = ("boxes",)
+    __slots__ = ("boxes", "seed_commitment")
     class BoxesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -380,8 +380,10 @@ class SecAggBoxes(_message.Message):
         value: bytes
         def __init__(self, key: _Optional[int] = ..., value: _Optional[bytes] = ...) -> None: ...
     BOXES_FIELD_NUMBER: _ClassVar[int]
+    SEED_COMMITMENT_FIELD_NUMBER: _ClassVar[int]
     boxes: _containers.ScalarMap[int, bytes]
-    def __init__(self, boxes: _Optional[_Mapping[int, bytes]] = ...) -> None: ...
+    seed_commitment: bytes
+    def __init__(self, boxes: _Optional[_Mapping[int, bytes]] = ..., seed_commitment: _Optional[bytes] = ...) -> None: ...
 
 class SecAggUnmaskWait(_message.Message):
     __slots__ = ()

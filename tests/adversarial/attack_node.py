@@ -2,12 +2,14 @@
 
 `python tests/adversarial/attack_node.py --attacks 3=extra-tensor,4=nan <fedsynth client args>` runs the unchanged
 client node, except that the update of each listed client is changed on its way to the wire (fedsynth.wire.wire_dtype
-.outgoing, wrapped in this process only; each logical client trains on a thread named client-<id>). It is no part of
+.outgoing, wrapped in this process only; each logical client trains on a thread named client-<id>), or its secure
+aggregation misbehaves (SECURE_ATTACKS: client_node.node's masked_update and unmask, wrapped likewise). It is no part of
 the fedsynth package and nothing there can turn it on: what a buggy plug-in, another release or an attacker would send.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
@@ -66,6 +68,46 @@ def attacked(attack: str, state: StateDict, extra: StateDict, global_state: Stat
     return state, extra
 
 
+SECURE_ATTACKS = ("vanish-before-upload", "vanish-before-mask", "vanish-before-unmask", "wrong-shares")
+
+
+def _attack_of(attacks: dict[int, str]) -> str | None:
+    client = threading.current_thread().name.removeprefix("client-")
+    return attacks.get(int(client)) if client.isdigit() else None
+
+
+def _secure_attacks(attacks: dict[int, str]) -> None:
+    """Secure aggregation's faults (runtime.secure_aggregation): the process dies after training, before its masked
+    update is sent or before it unmasks (a kill between masking and unmasking), or a holder sends wrong shares. The
+    process must host only the attacked client: os._exit ends all of it, as a kill would."""
+    from client_node import node
+    from fedsynth.secagg.protocol import unmask_shares
+    from fedsynth.secagg.shamir import PRIME, SHARE_BYTES
+    from fedsynth.v1 import coordinator_pb2 as pb
+
+    honest_mask, honest_unmask = node.masked_update, node.unmask
+
+    def masked_update(*args: object, **kwargs: object) -> object:
+        if _attack_of(attacks) == "vanish-before-mask":
+            os._exit(9)
+        return honest_mask(*args, **kwargs)  # type: ignore[arg-type]
+
+    def unmask(secure: object, timeout_s: float) -> None:
+        attack = _attack_of(attacks)
+        if attack == "vanish-before-unmask":
+            os._exit(9)
+        if attack != "wrong-shares":
+            return honest_unmask(secure, timeout_s)  # type: ignore[arg-type]
+        reply = secure.call(timeout_s, unmask_wait=pb.SecAggUnmaskWait())  # type: ignore[attr-defined]
+        shares = unmask_shares(secure.state, secure.received, survivors=reply.survivors, dropped=reply.dropped)  # type: ignore[attr-defined]
+        wrong = {owner: ((int.from_bytes(share, "big") + 1) % PRIME).to_bytes(SHARE_BYTES, "big")
+                 for owner, share in {**shares.self_mask_shares, **shares.mask_key_shares}.items()}
+        secure.call(timeout_s, shares=pb.SecAggShares(  # type: ignore[attr-defined]
+            self_mask={o: wrong[o] for o in shares.self_mask_shares}, mask_key={o: wrong[o] for o in shares.mask_key_shares}))
+
+    node.masked_update, node.unmask = masked_update, unmask
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] != "--attacks":
         raise SystemExit("usage: attack_node.py --attacks ID=ATTACK[,ID=ATTACK...] <fedsynth client arguments>")
@@ -73,15 +115,17 @@ def main(argv: list[str]) -> int:
     honest = wire_dtype.outgoing
 
     def outgoing(state: StateDict, extra: StateDict, global_state: StateDict, name: str) -> tuple[StateDict, StateDict]:
-        client = threading.current_thread().name.removeprefix("client-")
-        attack = attacks.get(int(client)) if client.isdigit() else None
-        if attack is not None:
+        attack = _attack_of(attacks)
+        if attack == "vanish-before-upload":
+            os._exit(9)
+        if attack is not None and attack not in SECURE_ATTACKS:
             state, extra = attacked(attack, state, extra, global_state)
             if attack in ("wrong-dtype", "extra-int64", "giant-delta-c"):  # sent as they are: the wire dtype would fix them
                 return state, extra
         return honest(state, extra, global_state, name)
 
     wire_dtype.outgoing = outgoing
+    _secure_attacks(attacks)
     return cli.main(["client", *argv[2:]])
 
 

@@ -3,6 +3,7 @@ update masked after, and its unmasking shares once the round closed (fedsynth.se
 
 from __future__ import annotations
 
+import logging
 import math
 import secrets
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from fedsynth.secagg.protocol import (AdvertisedKeys, ClientState, advertise, ma
 from fedsynth.secagg.quantize import QuantRange, encode, with_weight
 from fedsynth.v1 import coordinator_pb2 as pb
 from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,6 +61,9 @@ def masked_update(secure: SecureRoundClient, new_state: dict[str, torch.Tensor],
     """Stage 3: the move (clipped to S under DP, with this client's share of the noise, N(0, (sigma*S)^2 / m) per
     element, from a CSPRNG seed the coordinator never sees), quantised, weighted, masked: the update's one tensor."""
     move = flat_move(new_state, global_state)
+    if not np.isfinite(move).all():  # local training diverged: no move, rather than no masked update (a dropout)
+        log.warning("client %s: its update is not finite; it sends no move this round", secure.ids["client_id"])
+        move = np.zeros_like(move)
     if dp is not None:
         generator = torch.Generator().manual_seed(secrets.randbits(63))
         std = dp.noise_multiplier * dp.clip / math.sqrt(dp.clients_per_round)

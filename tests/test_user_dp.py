@@ -80,6 +80,8 @@ def test_an_honest_client_clips_its_own_move_to_s() -> None:
     assert update_norm(move) == pytest.approx(0.25, rel=1e-5)
     small = _moved(start, 1e-6)
     assert all(torch.equal(clip_to_move(small, start, 0.25)[key], small[key]) for key in start)  # within S: untouched
+    diverged = _moved(start, float("nan"))
+    assert all(torch.equal(clip_to_move(diverged, start, 0.25)[key], start[key]) for key in start if start[key].is_floating_point())
 
 
 @pytest.mark.parametrize("target", [10.0, 3.0, 1.0])
@@ -132,10 +134,12 @@ def test_the_round_aggregator_is_dp_fedavgs_under_user_dp() -> None:
 
 
 @pytest.mark.slow
-def test_a_run_stops_cleanly_before_passing_its_budget_and_reports_epsilon_each_round(tmp_path: Path) -> None:
+def test_a_secure_run_with_distributed_noise_stops_cleanly_before_passing_its_budget(tmp_path: Path) -> None:
+    """Secure aggregation too: each client adds its share of the noise before masking (weights 1, the sum over m)."""
     out = tmp_path / "run"
     sets = ["data.clients=6", "train.rounds=10", "train.local_epochs=1", "runtime.clients_per_process=6", "train.fraction=0.5",
-            *PRIVATE, "train.noise_multiplier=1.0", "train.target_epsilon=8.0", "train.dp_clip=0.5"]
+            *PRIVATE, "train.noise_multiplier=1.0", "train.target_epsilon=8.0", "train.dp_clip=0.5",
+            "runtime.secure_aggregation=true"]
     command = [sys.executable, "-m", "fedsynth.cli", "run", "--out-dir", str(out), "--no-progress"]
     for item in sets:
         command += ["--set", item]
@@ -151,3 +155,4 @@ def test_a_run_stops_cleanly_before_passing_its_budget_and_reports_epsilon_each_
     assert report["privacy"]["budget_spent"] and report["privacy"]["clip"] == 0.5
     logs = "".join(path.read_text() for path in (out / "logs").glob("*.log"))
     assert f"privacy budget spent: {len(epsilons)} of 10 rounds" in logs
+    assert all(len(r["secure_aggregation"]["survivors"]) == 3 for r in report["rounds"])  # m = 3, each round unmasked

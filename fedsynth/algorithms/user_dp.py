@@ -65,8 +65,12 @@ class UserLevelDp:
 
 def clip_to_move(state: StateDict, reference: StateDict, bound: float) -> StateDict:
     """A client's new state whose move from `reference` is clipped to an L2 norm of `bound` (integer tensors unchanged):
-    what an honest client of a user-level DP run sends, so its update arrives as it will count."""
+    what an honest client of a user-level DP run sends, so its update arrives as it will count. A move that is not
+    finite (local training diverged: under heavy DP noise the global model can make SGD blow up) becomes no move at
+    all, which the clip bounds too: the client still takes part instead of being refused round after round."""
     move = {key: value - reference[key] if value.is_floating_point() else value for key, value in state.items()}
+    if not all(bool(torch.isfinite(value).all()) for value in move.values() if value.is_floating_point()):
+        return {key: reference[key].clone() if value.is_floating_point() else value for key, value in state.items()}
     clipped, _ = clip_update(move, bound)
     return {key: reference[key] + value if value.is_floating_point() else value for key, value in clipped.items()}
 

@@ -10,10 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from opacus.accountants import RDPAccountant
 
+from client_node.secure_update import SecureRoundClient, masked_update
 from fedsynth.algorithms.base import snapshot_state
 from fedsynth.algorithms.privacy import update_norm
 from fedsynth.algorithms.robust import aggregator_for
@@ -21,6 +23,8 @@ from fedsynth.algorithms.user_dp import UserDpAggregator, UserLevelDp, clip_to_m
 from fedsynth.assembly import algorithm_for, model_for, user_dp_for
 from fedsynth.config import load_config
 from fedsynth.errors import ConfigError
+from fedsynth.secagg.protocol import ServerRound, advertise, share_keys, unmask_shares
+from fedsynth.secagg.quantize import QuantRange, decode_sum
 
 PRIVATE = ['train.dp="user"', 'generation.policy="none"']
 
@@ -156,3 +160,31 @@ def test_a_secure_run_with_distributed_noise_stops_cleanly_before_passing_its_bu
     logs = "".join(path.read_text() for path in (out / "logs").glob("*.log"))
     assert f"privacy budget spent: {len(epsilons)} of 10 rounds" in logs
     assert all(len(r["secure_aggregation"]["survivors"]) == 3 for r in report["rounds"])  # m = 3, each round unmasked
+
+
+def test_distributed_noise_of_m_clients_sums_to_sigma_s_and_the_masks_cancel() -> None:
+    """Each of m secure clients adds N(0, (sigma S)^2 / m) to a zero move before masking: the unmasked sum over m has
+    standard deviation sigma S / m per element, as the central noise (the accountant's sigma holds when all m survive)."""
+    start = _model_state()
+    m, sigma, clip, context = 8, 2.0, 0.5, b"noise test"
+    dp = UserLevelDp(clip=clip, noise_multiplier=sigma, clients=m, clients_per_round=m, delta=1e-5, accountant="rdp")
+    length = sum(v.numel() for v in start.values() if v.is_floating_point()) + 1
+    server = ServerRound(list(range(m)), degree=m, threshold=m // 2 + 1, graph_seed=b"g", context=context, length=length)
+    keys = {c: advertise() for c in range(m)}
+    for c in range(m):
+        server.add_public_keys(c, keys[c].public())
+    states = {}
+    for c in range(m):
+        states[c], boxes = share_keys(c, keys[c], server.keys_for(c), threshold=m // 2 + 1, context=context)
+        server.add_sealed(c, boxes)
+    quant = QuantRange(4.0, total_weight=m)
+    for c in range(m):
+        secure = SecureRoundClient(None, {}, states[c], server.sealed_for(c), 1, quant)  # type: ignore[arg-type]
+        masked = masked_update(secure, start, start, dp)["masked"]
+        server.add_masked_input(c, masked.numpy().view(np.uint32))
+    survivors, dropped = server.unmask_request()
+    replies = {c: unmask_shares(states[c], server.sealed_for(c), survivors=survivors, dropped=dropped) for c in range(m)}
+    total = server.unmask(replies)
+    mean = decode_sum(total[:-1], quant) / m
+    assert int(total[-1]) == m
+    assert mean.std() == pytest.approx(sigma * clip / m, rel=5 / math.sqrt(2 * len(mean)))

@@ -373,7 +373,7 @@ class RuntimeConfig(Section):
     # A client whose updates are refused this many rounds in a row is excluded from the run (report.json
     # excluded_clients); 0 = never excluded.
     max_refusals: int = 3
-    # Secure aggregation (SecAgg+, docs/secure-aggregation.md): the coordinator sees only the masked sum of a round's
+    # Secure aggregation (SecAgg+, docs/privacy.md): the coordinator sees only the masked sum of a round's
     # updates. Each client is paired with secagg_neighbours others (0: all the sampled clients; else even), and any
     # secagg_threshold of them (0: a majority, floor(neighbours / 2) + 1) rebuild a lost client's masks. Each element of
     # a client's move from the global model is clipped to +-secagg_clip before fixed-point quantisation in Z_2^32.
@@ -518,7 +518,7 @@ class RunConfig(Section):
 
     def _check_secure_aggregation(self) -> None:
         """runtime.secure_aggregation only where the server needs nothing but the weighted sum of the models, and
-        with a threshold the round's neighbours can meet (docs/secure-aggregation.md)."""
+        with a threshold the round's neighbours can meet (docs/privacy.md)."""
         t, r = self.train, self.runtime
         why = {
             "scaffold": "its control variates would need a second masked sum (not built yet)",

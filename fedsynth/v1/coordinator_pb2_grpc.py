@@ -184,7 +184,7 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SecureAggregation(self, request, context):
-        """Secure aggregation (runtime.secure_aggregation; docs/secure-aggregation.md): one SecAgg+ stage of a sampled
+        """Secure aggregation (runtime.secure_aggregation; docs/privacy.md): one SecAgg+ stage of a sampled
         client's round. Each call waits until its stage closes (every client it waits for answered, or
         runtime.secagg_stage_timeout_s passed) and answers what the client needs next; the masked input itself is the
         round's update (SubmitUpdate). A message out of turn, from a client not sampled or with malformed keys or boxes is

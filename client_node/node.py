@@ -413,7 +413,12 @@ class LogicalClient:
         self.metrics.samples_per_second.set(update.num_steps * batch_size / max(train_seconds, 1e-9))
 
         if secure is not None:  # the round's coordinator sees this vector only masked, and only in the survivors' sum
-            outgoing = codec.join_prefixed(model=masked_update(secure, update.state, global_state, self.state.user_dp), extra={})
+            try:
+                masked = masked_update(secure, update.state, global_state, self.state.user_dp)
+            except SecAggError as exc:  # e.g. fewer sealed shares reached it than the threshold: it cannot mask
+                log.warning("client %d: round %d: cannot mask its update: %s", self.client_id, task.round, exc)
+                return
+            outgoing = codec.join_prefixed(model=masked, extra={})
         else:
             model_group, extra_group = wire_dtype.outgoing(update.state, update.extra, global_state, cfg.runtime.wire_dtype)
             outgoing = codec.join_prefixed(model=model_group, extra=extra_group)

@@ -80,6 +80,8 @@ class SecureRound:
             self.server.add_sealed(client, boxes, commitment)
             self._lock.notify_all()
             self._await(2, lambda: set(self.server.public_keys) - self._gone - set(self.server.sealed))
+            if client in self._short:
+                raise SecAggError(self._short[client])
             return self.server.sealed_for(client)
 
     def _require_stage(self, stage: int, client: int, what: str) -> None:
@@ -97,19 +99,19 @@ class SecureRound:
             self._stage, self._opened = stage + 1, time.monotonic()
             for missing in late:
                 self._missed(missing, f"missed secure aggregation's stage {stage} (runtime.secagg_stage_timeout_s)")
-            if stage == 1:
-                self._drop_short_of_holders()
+            self._drop_short_of_neighbours(stage)
             self._lock.notify_all()
 
-    def _drop_short_of_holders(self) -> None:
-        """After stage 1: a client with fewer advertised neighbours than the threshold cannot share its secrets (nor
-        can it be unmasked): it leaves the round now, and the round stops waiting for it, instead of at its deadline."""
-        advertised = set(self.server.public_keys)
-        for client in sorted(advertised):
-            holders = len(advertised & set(self.server.neighbours[client]))
-            if holders < self.threshold:
-                self._short[client] = (f"client {client}: only {holders} of its neighbours took part in secure aggregation's "
-                                       f"key stage, fewer than the threshold {self.threshold}")
+    def _drop_short_of_neighbours(self, stage: int) -> None:
+        """After stage 1 (2): a client with fewer neighbours that advertised (sealed it shares) than the threshold
+        cannot share its secrets (mask its input): it leaves the round now, and the round stops waiting for it,
+        instead of at its deadline."""
+        took_part = set(self.server.public_keys if stage == 1 else self.server.sealed)
+        for client in sorted(took_part - set(self._short)):
+            count = len(took_part & set(self.server.neighbours[client]))
+            if count < self.threshold:
+                self._short[client] = (f"client {client}: only {count} of its neighbours took part in secure aggregation's "
+                                       f"stage {stage}, fewer than the threshold {self.threshold}")
                 self._gone.add(client)
                 self._missed(client, self._short[client])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import torch
 
@@ -13,11 +14,22 @@ from fedsynth.errors import ConfigError
 StateDict = dict[str, torch.Tensor]
 
 
-@functools.lru_cache(maxsize=64)
+_SEARCHING = threading.Lock()  # one search at a time: the 50 logical clients of a node ask at once, and the cache
+# below does not stop concurrent misses (50 GIL-bound Opacus searches held a K = 100 run's start for 3.5 minutes)
+
+
 def noise_multiplier_for(*, target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str,
                          section: str = "federate") -> float:
     """The smallest sigma (within Opacus's tolerance) whose `steps` sampled Gaussian steps at `sample_rate` spend at
     most target_epsilon at delta; ConfigError naming {section}.target_epsilon when no sigma reaches it."""
+    with _SEARCHING:
+        return _noise_multiplier_for(target_epsilon=target_epsilon, delta=delta, sample_rate=sample_rate, steps=steps,
+                                     accountant=accountant, section=section)
+
+
+@functools.lru_cache(maxsize=64)
+def _noise_multiplier_for(*, target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str,
+                          section: str) -> float:
     from opacus.accountants.utils import get_noise_multiplier  # Opacus loads only where a run is private
 
     try:

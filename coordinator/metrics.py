@@ -60,7 +60,13 @@ class CoordinatorMetrics:
         self.accuracy = Gauge("fedsynth_coordinator_global_accuracy", "Test accuracy of the global model", **kw)
         self.loss = Gauge("fedsynth_coordinator_global_loss", "Test loss of the global model", **kw)
         self.current_round = Gauge("fedsynth_coordinator_round", "Last completed round", **kw)
-        # The federated generator's differential privacy (train.algorithm = "ddpm", federate.dp user or sample)
+        # Secure aggregation (runtime.secure_aggregation): stage 4's time and the clients dropped after sharing keys
+        self.secagg_unmask = Histogram("fedsynth_coordinator_secagg_unmask_seconds",
+                                       "Secure aggregation's stage 4: waiting for the survivors' shares, rebuilding and removing "
+                                       "the masks", **kw)
+        self.secagg_dropped = Counter("fedsynth_coordinator_secagg_dropped_total",
+                                      "Clients that shared their keys but sent no masked update (their masks rebuilt)", **kw)
+        # User-level DP (train.dp = "user", or the federated generator's federate.dp user or sample)
         self.dp_epsilon = Gauge("fedsynth_coordinator_dp_epsilon", "Epsilon spent so far (dp sample: the largest client's)", **kw)
         self.dp_delta = Gauge("fedsynth_coordinator_dp_delta", "The delta epsilon is accounted at", **kw)
         self.dp_noise_multiplier = Gauge("fedsynth_coordinator_dp_noise_multiplier", "sigma: noise std / clipping bound", **kw)
@@ -92,6 +98,10 @@ class CoordinatorMetrics:
             for gauge, key in ((self.dp_epsilon, "epsilon"), (self.dp_delta, "delta"), (self.dp_noise_multiplier, "noise_multiplier"),
                                (self.dp_clip, "clip"), (self.dp_sample_rate, "sample_rate")):
                 gauge.set(privacy[key])
+        secure = summary.get("secure_aggregation")
+        if secure is not None:
+            self.secagg_unmask.observe(secure["unmask_s"])
+            self.secagg_dropped.inc(len(secure["dropped"]))
         figures = summary.get("federated_evaluation")
         if figures is not None:
             self.federated_clients.set(figures["clients"])

@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 import torch
 from opacus.accountants import RDPAccountant
+from prometheus_client import CollectorRegistry
 
 from client_node.secure_update import SecureRoundClient, masked_update
+from coordinator.metrics import CoordinatorMetrics
 from fedsynth.algorithms.base import snapshot_state
 from fedsynth.algorithms.privacy import update_norm
 from fedsynth.algorithms.robust import aggregator_for
@@ -188,3 +190,16 @@ def test_distributed_noise_of_m_clients_sums_to_sigma_s_and_the_masks_cancel() -
     mean = decode_sum(total[:-1], quant) / m
     assert int(total[-1]) == m
     assert mean.std() == pytest.approx(sigma * clip / m, rel=5 / math.sqrt(2 * len(mean)))
+
+
+def test_the_coordinator_exports_epsilon_and_secure_aggregations_costs() -> None:
+    registry = CollectorRegistry()
+    metrics = CoordinatorMetrics(registry)
+    dp = _dp(sigma=1.5, clip=0.5, m=5)
+    metrics.observe_round({"round": 3, "duration_s": 1.0, "phases_s": {}, "participants": [0, 1, 2], "accuracy": 0.5, "loss": 1.0,
+                           "privacy": dp.report(3), "secure_aggregation": {"survivors": [0, 1, 2], "dropped": [3, 4],
+                                                                          "threshold": 3, "unmask_s": 0.25}})
+    value = registry.get_sample_value
+    assert value("fedsynth_coordinator_dp_epsilon") == dp.epsilon(3) > 0 and value("fedsynth_coordinator_dp_sample_rate") == 0.5
+    assert value("fedsynth_coordinator_secagg_dropped_total") == 2
+    assert value("fedsynth_coordinator_secagg_unmask_seconds_sum") == 0.25

@@ -414,7 +414,7 @@ class LogicalClient:
 
         if secure is not None:  # the round's coordinator sees this vector only masked, and only in the survivors' sum
             try:
-                masked = masked_update(secure, update.state, global_state, self.state.user_dp)
+                masked = masked_update(secure, update.state, global_state, self.state.user_dp, update.extra)
             except SecAggError as exc:  # e.g. fewer sealed shares reached it than the threshold: it cannot mask
                 log.warning("client %d: round %d: cannot mask its update: %s", self.client_id, task.round, exc)
                 return

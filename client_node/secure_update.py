@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from fedsynth.algorithms.user_dp import UserLevelDp
-from fedsynth.secagg.model_vector import MASKED_KEY, flat_move, round_context
+from fedsynth.secagg.model_vector import MASKED_KEY, flat_extra, flat_move, round_context
 from fedsynth.secagg.protocol import (AdvertisedKeys, ClientState, advertise, masked_input, seed_commitment, share_keys,
                                       unmask_shares)
 from fedsynth.secagg.quantize import QuantRange, encode, with_weight
@@ -32,6 +32,7 @@ class SecureRoundClient:
     received: dict[int, bytes]
     weight: int
     quant: QuantRange
+    clients: int  # the round's sampled clients: the range of a sum of values each client adds once
 
     def call(self, timeout_s: float, **stage: object) -> pb.SecAggReply:
         return self.stub.SecureAggregation(pb.SecAggRequest(**self.ids, **stage), timeout=timeout_s)  # type: ignore[arg-type]
@@ -53,13 +54,14 @@ def join_secure_round(stub: pb_grpc.CoordinatorStub, *, client_id: int, session:
     second = stub.SecureAggregation(pb.SecAggRequest(**ids, boxes=pb.SecAggBoxes(boxes=boxes, seed_commitment=commitment)),  # type: ignore[arg-type]
                                     timeout=timeout_s)
     return SecureRoundClient(stub, ids, state, dict(second.boxes.boxes), int(first.weight),
-                             QuantRange(clip, total_weight=int(first.total_weight)))
+                             QuantRange(clip, total_weight=int(first.total_weight)), int(first.clients))
 
 
 def masked_update(secure: SecureRoundClient, new_state: dict[str, torch.Tensor], global_state: dict[str, torch.Tensor],
-                  dp: UserLevelDp | None) -> dict[str, torch.Tensor]:
+                  dp: UserLevelDp | None, extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Stage 3: the move (clipped to S under DP, with this client's share of the noise, N(0, (sigma*S)^2 / m) per
-    element, from a CSPRNG seed the coordinator never sees), quantised, weighted, masked: the update's one tensor."""
+    element, from a CSPRNG seed the coordinator never sees), quantised, weighted, then the extra tensors (SCAFFOLD's
+    delta c, weight 1: the server sums them), then the weight, masked: the update's one tensor."""
     move = flat_move(new_state, global_state)
     if not np.isfinite(move).all():  # local training diverged: no move, rather than no masked update (a dropout)
         log.warning("client %s: its update is not finite; it sends no move this round", secure.ids["client_id"])
@@ -68,7 +70,11 @@ def masked_update(secure: SecureRoundClient, new_state: dict[str, torch.Tensor],
         generator = torch.Generator().manual_seed(secrets.randbits(63))
         std = dp.noise_multiplier * dp.clip / math.sqrt(dp.clients_per_round)
         move = move + torch.randn(len(move), generator=generator, dtype=torch.float64).numpy() * std
-    vector = with_weight(encode(move, secure.weight, secure.quant), secure.weight)
+    extras = flat_extra(extra or {})
+    if not np.isfinite(extras).all():
+        extras = np.zeros_like(extras)
+    counted = QuantRange(secure.quant.clip, total_weight=secure.clients)  # each client's extras count once
+    vector = with_weight(np.concatenate([encode(move, secure.weight, secure.quant), encode(extras, 1, counted)]), secure.weight)
     masked = masked_input(secure.state, vector, secure.received)
     return {MASKED_KEY: torch.from_numpy(masked.view(np.int32))}
 

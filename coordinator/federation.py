@@ -98,7 +98,8 @@ class Federation:
                                            wire_dtype.expected_layout(extra_layout(algorithm, model), wire))
         self.secure = cfg.runtime.secure_aggregation
         if self.secure:  # an update is one masked vector: every floating-point element and the weight, as int32
-            self.update_layout = update_layout({MASKED_KEY: ((vector_length(model.state_dict()),), torch.int32)}, {})
+            extras = {key: math.prod(shape) for key, (shape, _) in extra_layout(algorithm, model).items()}
+            self.update_layout = update_layout({MASKED_KEY: ((vector_length(model.state_dict(), extras),), torch.int32)}, {})
         self.layout_digest = versions.layout_digest(model.state_dict())  # every node's model must have this layout
         self.num_classes = num_classes
         self.sdafl = SdaflServer(cfg, (channels, height, width), num_classes) if cfg.train.algorithm == "sdafl" else None

@@ -34,7 +34,7 @@ from coordinator.sdafl_server import SdaflServer
 from coordinator.update_folds import UpdateFolds
 from coordinator.update_norms import NormBound, Verdict
 from fedsynth.wire import codec, data_plane
-from fedsynth.algorithms.base import Algorithm, snapshot_state
+from fedsynth.algorithms.base import Algorithm, extra_layout, snapshot_state
 from fedsynth.algorithms.robust import aggregator_for
 from fedsynth.algorithms.user_dp import UserLevelDp
 from coordinator.secagg.secure_round import SecureRound
@@ -328,7 +328,8 @@ class RoundDriver:
                            context=round_context(self.state.run_id, number, task_id), neighbours=runtime.secagg_neighbours,
                            threshold=runtime.secagg_threshold, clip=runtime.secagg_clip,
                            stage_timeout_s=runtime.secagg_stage_timeout_s, round_timeout_s=runtime.round_timeout_s,
-                           dp=self.user_dp, missed=self._missed_stage)
+                           dp=self.user_dp, missed=self._missed_stage, algorithm=self.algorithm,
+                           server_state=self.state.server_state, extra_layout=extra_layout(self.algorithm, self.state.model))
 
     def _missed_stage(self, client_id: int, why: str) -> None:
         """A sampled client that missed a key-exchange stage cannot send a masked update: the round stops waiting."""

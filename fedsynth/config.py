@@ -521,7 +521,6 @@ class RunConfig(Section):
         with a threshold the round's neighbours can meet (docs/privacy.md)."""
         t, r = self.train, self.runtime
         why = {
-            "scaffold": "its control variates would need a second masked sum (not built yet)",
             "fedmix": "its clients share mean images in the clear beside the model",
             "naivemix": "its clients share mean images in the clear beside the model",
             "sdafl": "its server pseudo-labels with each client's model, which a masked sum hides",
@@ -530,7 +529,7 @@ class RunConfig(Section):
         }
         if t.algorithm in why:
             raise ConfigError(f"runtime.secure_aggregation with train.algorithm = {t.algorithm!r}: {why[t.algorithm]}; "
-                              "it covers fedavg, fedprox and moon (FedEAS and its baselines are fedavg)")
+                              "it covers fedavg, fedprox, scaffold and moon (FedEAS and its baselines are fedavg)")
         if t.aggregation != "mean":
             raise ConfigError(f"runtime.secure_aggregation with train.aggregation = {t.aggregation!r}: a robust rule needs "
                               "each client's update, and secure aggregation shows the server only their sum")

@@ -24,8 +24,7 @@ from runtime_harness import Runtime, read_record, wait_exit, register_request
 SPLIT_FLAGS = ["--dataset", "digits", "--alpha", "0.1", "--seed", "3", "--holdout-fraction", "0.1"]
 RUN = ["data.clients=4", "seed=3", "data.holdout_fraction=0.1", "train.rounds=3", "train.local_epochs=1",
        "runtime.clients_per_process=4", "generation.evaluate_per_class=0"]
-ARMS = {
-    "fedavg": ["generation.policy=\"none\""],
+ARMS = {  # FedEAS trains as FedAvg does over the same folders, its images added: plain FedAvg needs no arm of its own
     "fedeas": ["generation.policy=\"fedeas\""],
     # the holdout generator: split mode's hold-out split, or in local mode data split's holdout/ folder
     "fedeas-holdout": ["generation.policy=\"fedeas\"", "generation.backend=\"holdout\""],

@@ -181,7 +181,7 @@ def test_distributed_noise_of_m_clients_sums_to_sigma_s_and_the_masks_cancel() -
         server.add_sealed(c, boxes)
     quant = QuantRange(4.0, total_weight=m)
     for c in range(m):
-        secure = SecureRoundClient(None, {}, states[c], server.sealed_for(c), 1, quant)  # type: ignore[arg-type]
+        secure = SecureRoundClient(None, {}, states[c], server.sealed_for(c), 1, quant, m)  # type: ignore[arg-type]
         masked = masked_update(secure, start, start, dp)["masked"]
         server.add_masked_input(c, masked.numpy().view(np.uint32))
     survivors, dropped = server.unmask_request()

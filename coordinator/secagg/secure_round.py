@@ -5,6 +5,7 @@ and the new global model from the exact sum. It stands in the round for the aggr
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -18,7 +19,7 @@ from fedsynth.errors import QuorumError
 from fedsynth.secagg.errors import SecAggError
 from fedsynth.secagg.model_vector import float_keys, vector_length
 from fedsynth.secagg.protocol import AdvertisedKeys, ServerRound, UnmaskReply
-from fedsynth.secagg.quantize import QuantRange, decode_mean, decode_sum
+from fedsynth.secagg.quantize import QuantRange, decode_sum
 
 StateDict = dict[str, torch.Tensor]
 
@@ -34,16 +35,21 @@ class SecureRound:
 
     def __init__(self, global_state: StateDict, *, sampled: Collection[int], weights: dict[int, int], lock: threading.Condition,
                  context: bytes, neighbours: int, threshold: int, clip: float, stage_timeout_s: float, round_timeout_s: float,
-                 dp: UserLevelDp | None, missed: Callable[[int, str], None]) -> None:
+                 dp: UserLevelDp | None, missed: Callable[[int, str], None], algorithm: Any = None,
+                 server_state: StateDict | None = None, extra_layout: dict[str, tuple[tuple[int, ...], Any]] | None = None) -> None:
         self._global = global_state
+        self._algorithm = algorithm  # its own aggregator turns the unmasked sums into the new model and server state
+        self._server_state = dict(server_state or {})
+        self._extra_shapes = {key: tuple(shape) for key, (shape, _) in sorted((extra_layout or {}).items())}
         holders = neighbour_count(len(sampled), neighbours)
         degree = holders + holders % 2  # the ring's even degree; neighbours() caps it at all the others
         self.threshold = threshold or holders // 2 + 1
         self.server = ServerRound(sorted(sampled), degree=degree, threshold=self.threshold,
                                   graph_seed=hashlib.sha256(b"graph" + context).digest(), context=context,
-                                  length=vector_length(global_state))
+                                  length=vector_length(global_state, {k: math.prod(v) for k, v in self._extra_shapes.items()}))
         self.weights = {client: 1 for client in sampled} if dp is not None else dict(weights)
         self.quant = QuantRange(clip, total_weight=sum(self.weights.values()))
+        self.counted = QuantRange(clip, total_weight=len(self.weights))  # extras: each client's counts once
         self.dp = dp
         self._lock = lock
         self._timeout = stage_timeout_s
@@ -175,15 +181,32 @@ class SecureRound:
             total = self.server.unmask(replies)
         except SecAggError as exc:
             raise QuorumError(f"secure aggregation cannot unmask: {exc}") from None
-        new_global = self._new_global(total, len(survivors))
+        result = self._aggregate(total)
         self.unmask_s = time.monotonic() - started
-        return new_global, {}
+        return result
 
-    def _new_global(self, total: np.ndarray, survivors: int) -> StateDict:
-        if self.dp is None:  # the survivors' N_k-weighted mean move, its divisor summed in the masked vector too
-            move, _ = decode_mean(total, self.quant)
-        else:  # DP-FedAvg: the sum of the clipped, noised moves over m, fixed (a dropout does not shrink it)
-            move = decode_sum(total[:-1], self.quant) / self.dp.clients_per_round
+    def _aggregate(self, total: np.ndarray) -> tuple[StateDict, StateDict]:
+        """The new global state and server state from the exact sum: [weighted moves | summed extras | weight]."""
+        moves = len(total) - 1 - sum(math.prod(shape) for shape in self._extra_shapes.values())
+        if self.dp is not None:  # DP-FedAvg: the sum of the clipped, noised moves over m, fixed (a dropout does not shrink it)
+            return self._moved(decode_sum(total[:moves], self.quant) / self.dp.clients_per_round), self._server_state
+        weight = int(total[-1])  # the survivors' N_k, summed in the masked vector too: the exact divisor
+        move = decode_sum(total[:moves], self.quant) / weight
+        extras, start = {}, 0
+        summed = decode_sum(total[moves:-1], self.counted)
+        for key, shape in self._extra_shapes.items():
+            extras[key] = torch.from_numpy(summed[start : start + math.prod(shape)]).view(shape)
+            start += math.prod(shape)
+        if self._algorithm is None:
+            return self._moved(move), self._server_state
+        # The algorithm's own aggregator, given the round's mean as one update of weight 1 and the summed extras:
+        # FedAvg's mean as it is, SCAFFOLD's server step size and c += sum(delta c) / K
+        aggregator = self._algorithm.new_aggregator(self._global, self._server_state)
+        aggregator.add(self._moved(move), extras, 1.0)
+        return aggregator.finish()  # type: ignore[no-any-return]
+
+    def _moved(self, move: np.ndarray) -> StateDict:
+        """The global state moved by `move` (its floating-point tensors by name); integer buffers keep their values."""
         new_global = {key: value.clone() for key, value in self._global.items() if not value.is_floating_point()}
         start = 0
         for key in float_keys(self._global):

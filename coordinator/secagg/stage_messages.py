@@ -20,7 +20,7 @@ def answer_stage(federation: Federation, request: pb.SecAggRequest) -> pb.SecAgg
             keys, weight, total = secure.advertise(client, AdvertisedKeys(request.keys.encryption, request.keys.masking))
             return pb.SecAggReply(
                 neighbour_keys={v: pb.SecAggKeys(encryption=k.encryption, masking=k.masking) for v, k in keys.items()},
-                threshold=secure.threshold, weight=weight, total_weight=total)
+                threshold=secure.threshold, weight=weight, total_weight=total, clients=len(secure.weights))
         if stage == "boxes":
             boxes = secure.share(client, dict(request.boxes.boxes), request.boxes.seed_commitment)
             return pb.SecAggReply(boxes=pb.SecAggBoxes(boxes=boxes))

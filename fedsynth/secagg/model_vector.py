@@ -1,5 +1,6 @@
 """A model update as the one vector secure aggregation masks: every floating-point element of the move from the
-round's global model, in state_dict order, then the client's weight; and the round context both sides bind it to."""
+round's global model, by tensor name, then the algorithm's extra tensors (SCAFFOLD's delta c), then the client's
+weight; and the round context both sides bind it to."""
 
 from __future__ import annotations
 
@@ -19,9 +20,16 @@ def float_keys(template: dict) -> list[str]:
     return sorted(key for key, value in template.items() if value.is_floating_point())
 
 
-def vector_length(template: dict) -> int:
-    """The masked vector's length: every floating-point element, and the weight."""
-    return sum(template[key].numel() for key in float_keys(template)) + 1
+def vector_length(template: dict, extra_sizes: dict[str, int] | None = None) -> int:
+    """The masked vector's length: every floating-point element, every extra element (name -> numel), the weight."""
+    return sum(template[key].numel() for key in float_keys(template)) + sum((extra_sizes or {}).values()) + 1
+
+
+def flat_extra(extra: dict) -> np.ndarray:
+    """The extra tensors (SCAFFOLD's delta c), flattened by name, as float64; empty for algorithms that send none."""
+    if not extra:
+        return np.zeros(0)
+    return np.concatenate([extra[key].double().reshape(-1).numpy() for key in sorted(extra)])
 
 
 def flat_move(state: dict, global_state: dict) -> np.ndarray:

@@ -432,7 +432,7 @@ class SecAggRequest(_message.Message):
     def __init__(self, client_id: _Optional[int] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., keys: _Optional[_Union[SecAggKeys, _Mapping]] = ..., boxes: _Optional[_Union[SecAggBoxes, _Mapping]] = ..., unmask_wait: _Optional[_Union[SecAggUnmaskWait, _Mapping]] = ..., shares: _Optional[_Union[SecAggShares, _Mapping]] = ...) -> None: ...
 
 class SecAggReply(_message.Message):
-    __slots__ = ("neighbour_keys", "threshold", "weight", "total_weight", "boxes", "survivors", "dropped")
+    __slots__ = ("neighbour_keys", "threshold", "weight", "total_weight", "boxes", "survivors", "dropped", "clients")
     class NeighbourKeysEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -447,6 +447,7 @@ class SecAggReply(_message.Message):
     BOXES_FIELD_NUMBER: _ClassVar[int]
     SURVIVORS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
     neighbour_keys: _containers.MessageMap[int, SecAggKeys]
     threshold: int
     weight: int
@@ -454,4 +455,5 @@ class SecAggReply(_message.Message):
     boxes: SecAggBoxes
     survivors: _containers.RepeatedScalarFieldContainer[int]
     dropped: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, neighbour_keys: _Optional[_Mapping[int, SecAggKeys]] = ..., threshold: _Optional[int] = ..., weight: _Optional[int] = ..., total_weight: _Optional[int] = ..., boxes: _Optional[_Union[SecAggBoxes, _Mapping]] = ..., survivors: _Optional[_Iterable[int]] = ..., dropped: _Optional[_Iterable[int]] = ...) -> None: ...
+    clients: int
+    def __init__(self, neighbour_keys: _Optional[_Mapping[int, SecAggKeys]] = ..., threshold: _Optional[int] = ..., weight: _Optional[int] = ..., total_weight: _Optional[int] = ..., boxes: _Optional[_Union[SecAggBoxes, _Mapping]] = ..., survivors: _Optional[_Iterable[int]] = ..., dropped: _Optional[_Iterable[int]] = ..., clients: _Optional[int] = ...) -> None: ...

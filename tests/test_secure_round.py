@@ -15,15 +15,15 @@ from fedsynth.secagg.protocol import AdvertisedKeys, advertise, share_keys
 STATE = {"w": torch.zeros(4), "steps": torch.zeros((), dtype=torch.int64)}
 
 
-def _round(missed: dict[int, str]) -> SecureRound:
+def _round(missed: dict[int, str], timeout_s: float) -> SecureRound:
     return SecureRound(STATE, sampled=[0, 1, 2], weights={0: 5, 1: 5, 2: 5}, lock=threading.Condition(), context=b"test",
-                       neighbours=0, threshold=0, clip=4.0, stage_timeout_s=0.5, round_timeout_s=0.5, dp=None,
+                       neighbours=0, threshold=0, clip=4.0, stage_timeout_s=timeout_s, round_timeout_s=timeout_s, dp=None,
                        missed=lambda client, why: missed.setdefault(client, why))
 
 
 def test_stage_messages_out_of_turn_or_malformed_are_refused_by_name() -> None:
     missed: dict[int, str] = {}
-    secure = _round(missed)
+    secure = _round(missed, timeout_s=60.0)  # a stage closes as soon as every client answered it, long before this
     keys = {c: advertise() for c in range(3)}
     with pytest.raises(SecAggError, match="client 0's masking public key is 31 bytes"):
         secure.advertise(0, AdvertisedKeys(keys[0].public().encryption, bytes(31)))
@@ -36,7 +36,7 @@ def test_stage_messages_out_of_turn_or_malformed_are_refused_by_name() -> None:
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(10)
+        thread.join(60)
     assert sorted(answers) == [0, 1, 2] and missed == {}  # every client advertised: the stage closed at once
     neighbours, weight, total = answers[0]  # type: ignore[misc]
     assert sorted(neighbours) == [1, 2] and (weight, total, secure.threshold) == (5, 15, 2)
@@ -49,7 +49,7 @@ def test_stage_messages_out_of_turn_or_malformed_are_refused_by_name() -> None:
 
 def test_a_stage_closes_at_its_deadline_and_names_who_missed_it() -> None:
     missed: dict[int, str] = {}
-    secure = _round(missed)
+    secure = _round(missed, timeout_s=0.5)
     keys = advertise()
     with pytest.raises(SecAggError, match="only 0 of its neighbours took part in secure aggregation's stage 1"):
         secure.advertise(0, keys.public())  # 1 and 2 never advertise: after 0.5 s client 0 has no share holders

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -11,13 +12,14 @@ import grpc
 import numpy as np
 
 from fedsynth.v1 import generator_pb2, generator_pb2_grpc
-from generator_service.backends import BackendDescription, GeneratorBackend, Unservable
-from generator_service.batcher import Batcher, BatcherClosed, QueueFull, SamplingFailed
-from generator_service.ddpm.sampling import ImageKey
+from generator_service.backends import BackendDescription, GeneratorBackend, Unservable, check_variations
+from generator_service.batcher import Batcher, BatcherClosed, Job, QueueFull, SamplingFailed
+from generator_service.ddpm.sampling import ImageKey, VariationKey
 from generator_service.metrics import GeneratorMetrics
 
 MAX_MESSAGE_BYTES = 1 << 20  # images per ImageBatch are capped so a message stays far below gRPC's 4 MiB
 INDEX_LIMIT = 1 << 32
+VARIATION_INDEX_LIMIT = 1 << 63  # Vary's first_index + N (uint64 on the wire, signed 64-bit anywhere it is stored)
 
 
 class RequestError(Exception):
@@ -74,6 +76,48 @@ def plan_request(request: generator_pb2.GenerateRequest, *, backend: GeneratorBa
     return keys
 
 
+def plan_variations(request: generator_pb2.VaryRequest, *, backend: GeneratorBackend,
+                    max_request_images: int) -> list[VariationKey]:
+    """The keys of the requested variations in request order, or a RequestError naming the value. The quality filter
+    is not applied to variations: a server running it refuses Vary (backends.check_variations says why)."""
+    served = backend.description
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    if request.model_id and request.model_id != served.model_id:
+        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"model_id {request.model_id!r} requested, but this server serves {served.model_id!r}")
+    try:
+        check_variations(backend)
+    except Unservable as exc:
+        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
+    labels, count = list(request.labels), len(request.labels)
+    if count == 0:
+        raise RequestError(invalid, "empty request: no labels" + (
+            f" for {len(request.images)} bytes of images" if request.images else " and no images"))
+    channels, height, width = served.image_shape
+    shape = (request.height, request.width, request.channels)
+    if shape != (height, width, channels):
+        raise RequestError(invalid, f"images of {'x'.join(map(str, shape))} (height x width x channels) sent, but this "
+                                    f"server serves {height}x{width}x{channels}")
+    if count > max_request_images:
+        raise RequestError(invalid, f"{count} images sent, above the per-request limit of {max_request_images}; "
+                                    "split the request")
+    row = height * width * channels
+    if len(request.images) != count * row:
+        raise RequestError(invalid, f"images carries {len(request.images)} bytes, but {count} labels x {height}x{width}x"
+                                    f"{channels} is {count * row}")
+    for i, label in enumerate(labels):
+        if label >= served.num_classes:
+            raise RequestError(invalid, f"labels[{i}] = {label} is out of range 0..{served.num_classes - 1}")
+    strength = request.strength
+    if not (math.isfinite(strength) and 0.0 < strength <= 1.0):
+        raise RequestError(invalid, f"strength {strength} is outside (0, 1]")
+    if request.first_index + count > VARIATION_INDEX_LIMIT:
+        raise RequestError(invalid, f"first_index {request.first_index} + {count} images exceeds the index range 2^63")
+    data = request.images
+    return [VariationKey(request.seed, label, request.first_index + i, data[i * row : (i + 1) * row], strength)
+            for i, label in enumerate(labels)]
+
+
 class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
     """Answers UNAVAILABLE until attach() hands it a loaded backend."""
 
@@ -125,9 +169,31 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         except BatcherClosed as exc:
             self._abort(context, "Generate", grpc.StatusCode.UNAVAILABLE, str(exc))
         self._metrics.request_images.observe(len(keys))
+        yield from self._stream(context, "Generate", model, job, [key.class_id for key in keys], started)
+
+    def Vary(self, request: generator_pb2.VaryRequest,
+             context: grpc.ServicerContext) -> Iterator[generator_pb2.ImageBatch]:
+        model = self._loaded(context, "Vary")
+        try:
+            keys = plan_variations(request, backend=model.backend, max_request_images=self._max_request_images)
+            job = model.batcher.submit(list(keys))  # as list[ImageKey]: a VariationKey is one
+        except RequestError as exc:
+            self._abort(context, "Vary", exc.code, str(exc))
+        except QueueFull as exc:
+            self._abort(context, "Vary", grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except BatcherClosed as exc:
+            self._abort(context, "Vary", grpc.StatusCode.UNAVAILABLE, str(exc))
+        # request_images and request_duration stay Generate's (docs/metrics.md); requests_total{method="Vary"}
+        # and images_total count variations too
+        yield from self._stream(context, "Vary", model, job, list(request.labels), None)
+
+    def _stream(self, context: grpc.ServicerContext, method: str, model: ServedModel, job: Job, classes: list[int],
+                started: float | None) -> Iterator[generator_pb2.ImageBatch]:
+        """Stream a submitted job's images as ImageBatch messages of at most MAX_MESSAGE_BYTES of pixels, first_index
+        counting from 0; count the outcome under `method`."""
         if not context.add_callback(lambda: model.batcher.cancel(job)):  # runs when the RPC ends, however it ends
             model.batcher.cancel(job)  # it has already ended
-        labels = np.array([key.class_id for key in keys], dtype=np.uint32)
+        labels = np.array(classes, dtype=np.uint32)
         channels, height, width = model.description.image_shape
         per_message = max(1, MAX_MESSAGE_BYTES // (channels * height * width))
         sent, code = 0, grpc.StatusCode.CANCELLED  # unless the loop finishes: the client or its deadline ended it
@@ -141,7 +207,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                     for class_id, n in zip(*np.unique(part_labels, return_counts=True)):
                         self._metrics.images.labels(str(class_id)).inc(int(n))
                     sent += len(part)
-            if sent == len(keys):
+            if sent == len(labels):
                 code = grpc.StatusCode.OK
         except BatcherClosed as exc:
             code = grpc.StatusCode.UNAVAILABLE
@@ -154,5 +220,6 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             context.abort(code, f"sampling failed: {exc}")
         finally:
             model.batcher.cancel(job)
-            self._metrics.request_duration.observe(time.monotonic() - started)
-            self._metrics.requests.labels("Generate", code.name).inc()
+            if started is not None:
+                self._metrics.request_duration.observe(time.monotonic() - started)
+            self._metrics.requests.labels(method, code.name).inc()

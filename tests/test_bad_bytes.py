@@ -37,6 +37,7 @@ COORDINATOR_METHODS = {  # method -> (request streaming, response streaming, a v
 GENERATOR_METHODS = {
     "Generate": (False, True, gpb.GenerateRequest(counts=[3, 2], seed=1, model_id="m" * 20)),
     "Info": (False, False, gpb.InfoRequest()),
+    "Vary": (False, True, gpb.VaryRequest(images=bytes(64), labels=[1], strength=0.5, seed=1, height=8, width=8, channels=1)),
 }
 
 

@@ -1,9 +1,10 @@
-"""Client side of the generator service: Info, and Generate that resumes after UNAVAILABLE without gaps."""
+"""Client side of the generator service: Info, and Generate and Vary that resume after UNAVAILABLE without gaps."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -19,6 +20,9 @@ from fedsynth.v1 import generator_pb2, generator_pb2_grpc
 
 log = logging.getLogger(__name__)
 INDEX_LIMIT = 1 << 32
+VARIATION_INDEX_LIMIT = 1 << 63  # Vary's first_index + N
+# Pixels per VaryRequest: the request carries its sources, and a gRPC server refuses messages over 4 MiB.
+VARY_REQUEST_BYTES = 1 << 20
 
 # on_batch(labels int64 (n,), images uint8 (n, H, W, C), first_index): first_index is the position of
 # images[0] in the whole requested stream (class order, then index order), counted across retries.
@@ -176,3 +180,99 @@ def fetch_images(
         if progress.total < int(want.sum()):
             raise WireError(f"the generator ended the stream after {progress.total} of {int(want.sum())} images")
     return progress.total
+
+
+def vary_images(
+    channel: grpc.Channel,
+    images: np.ndarray,
+    labels: Sequence[int],
+    *,
+    strength: float,
+    seed: int,
+    first_index: int = 0,
+    model_id: str = "",
+    timeout_s: float,
+    stop: threading.Event | None = None,
+) -> np.ndarray:
+    """Variations of `images` (uint8 N x H x W x C, the served shape) of classes `labels`, as uint8 N x H x W x C in
+    request order. Row i is a pure function of (model, seed, labels[i], first_index + i, images[i], strength), so the
+    rows travel in requests of at most VARY_REQUEST_BYTES of pixels (gRPC refuses a request over 4 MiB), and
+    UNAVAILABLE is retried with backoff until timeout_s asking only for the rows still missing (first_index advanced),
+    with the bytes of an unbroken stream. Setting `stop` cancels the stream and raises StopRequested."""
+    sources = np.asarray(images)
+    if sources.dtype != np.uint8 or sources.ndim != 4:
+        raise ConfigError(f"images must be uint8 N x H x W x C, got {sources.dtype} of shape {sources.shape}")
+    classes = np.asarray(list(labels), dtype=np.int64)
+    if classes.shape != (len(sources),) or (classes < 0).any() or (classes >= INDEX_LIMIT).any():
+        raise ConfigError(f"labels must be {len(sources)} class ids in 0..2^32-1 (one per image), got {list(labels)}")
+    if not (math.isfinite(strength) and 0.0 < strength <= 1.0):
+        raise ConfigError(f"strength must be in (0, 1], got {strength}")
+    total = len(sources)
+    if first_index < 0 or first_index + total > VARIATION_INDEX_LIMIT:
+        raise ConfigError(f"first_index {first_index} + {total} images must lie in 0..2^63")
+    _, height, width, channels = sources.shape
+    out = np.empty_like(sources)
+    per_request = max(1, VARY_REQUEST_BYTES // max(1, height * width * channels))
+    stub = generator_pb2_grpc.GeneratorStub(channel)
+    stop_at = time.monotonic() + timeout_s
+    delays = grpcutil.backoff_delays()
+    done = 0  # rows of `out` filled so far
+    while done < total:
+        if stop is not None and stop.is_set():
+            raise StopRequested(f"stopped while varying images: {done} of {total} arrived")
+        attempt_start, end = done, min(total, done + per_request)
+        request = generator_pb2.VaryRequest(
+            images=np.ascontiguousarray(sources[done:end]).tobytes(), labels=classes[done:end].tolist(),
+            strength=strength, seed=seed, first_index=first_index + done, model_id=model_id,
+            height=height, width=width, channels=channels,
+        )
+        try:
+            call = stub.Vary(request, timeout=max(0.01, stop_at - time.monotonic()))
+            with on_stop(stop, call.cancel):
+                for batch in call:
+                    if stop is not None and stop.is_set():
+                        call.cancel()
+                        raise StopRequested(f"stopped while varying images: {done} of {total} arrived")
+                    rows = _accept_variations(batch, classes[attempt_start:end], (height, width, channels),
+                                              expected_first=done - attempt_start)
+                    out[done : done + len(rows)] = rows
+                    done += len(rows)
+        except grpc.RpcError as exc:
+            if stop is not None and stop.is_set():
+                continue  # the loop's head raises StopRequested
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            if done > attempt_start:
+                delays = grpcutil.backoff_delays()  # progress was made: start the backoff over
+            delay = next(delays)
+            if code not in grpcutil.RETRYABLE or time.monotonic() + delay > stop_at:
+                raise
+            log.info("generator Vary stream broke (%s) after %d/%d images; resuming in %.2fs", code, done, total, delay)
+            if stop is not None:
+                stop.wait(delay)
+            else:
+                time.sleep(delay)
+            continue
+        if done < end:
+            raise WireError(f"the generator ended the Vary stream after {done} of {total} images")
+    return out
+
+
+def _accept_variations(batch: generator_pb2.ImageBatch, wanted: np.ndarray, shape: tuple[int, int, int], *,
+                       expected_first: int) -> np.ndarray:
+    """One ImageBatch of a Vary stream, checked: its shape, byte count, first_index and labels (the request's, in
+    order, from `expected_first` on), as uint8 n x H x W x C."""
+    labels = np.asarray(batch.labels, dtype=np.int64)
+    if (batch.height, batch.width, batch.channels) != shape:
+        raise WireError(f"ImageBatch of {batch.height}x{batch.width}x{batch.channels} images, the request's are "
+                        f"{'x'.join(map(str, shape))}")
+    expected_bytes = len(labels) * int(np.prod(shape))
+    if len(batch.images) != expected_bytes:
+        raise WireError(f"ImageBatch carries {len(batch.images)} bytes, expected {len(labels)} x "
+                        f"{'x'.join(map(str, shape))} = {expected_bytes}")
+    if batch.first_index != expected_first:
+        raise WireError(f"ImageBatch first_index {batch.first_index}, expected {expected_first}")
+    expected = wanted[expected_first : expected_first + len(labels)]
+    if len(expected) != len(labels) or (expected != labels).any():
+        raise WireError(f"ImageBatch at {expected_first} has labels {labels.tolist()}, expected {expected.tolist()} "
+                        "(the request's)")
+    return np.frombuffer(batch.images, dtype=np.uint8).reshape(len(labels), *shape)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x66\x65\x64synth/v1/generator.proto\x12\x0b\x66\x65\x64synth.v1\"R\n\x0fGenerateRequest\x12\x0e\n\x06\x63ounts\x18\x01 \x03(\r\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x0f\n\x07offsets\x18\x03 \x03(\r\x12\x10\n\x08model_id\x18\x04 \x01(\t\"r\n\nImageBatch\x12\x0e\n\x06images\x18\x01 \x01(\x0c\x12\x0e\n\x06labels\x18\x02 \x03(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12\x10\n\x08\x63hannels\x18\x05 \x01(\r\x12\x13\n\x0b\x66irst_index\x18\x06 \x01(\x04\"\r\n\x0bInfoRequest\"\x9b\x02\n\tInfoReply\x12\x13\n\x0bnum_classes\x18\x01 \x01(\r\x12\x10\n\x08\x63hannels\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x0c\n\x04size\x18\x06 \x01(\t\x12\x12\n\nparameters\x18\x07 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x0b \x01(\t\x12\x12\n\nddim_steps\x18\x0c \x01(\r\x12\x10\n\x08guidance\x18\r \x01(\x02\x12\x1a\n\x12max_request_images\x18\x0e \x01(\r\x12\x11\n\tmax_batch\x18\x0f \x01(\r2\x8a\x01\n\tGenerator\x12\x43\n\x08Generate\x12\x1c.fedsynth.v1.GenerateRequest\x1a\x17.fedsynth.v1.ImageBatch0\x01\x12\x38\n\x04Info\x12\x18.fedsynth.v1.InfoRequest\x1a\x16.fedsynth.v1.InfoReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x66\x65\x64synth/v1/generator.proto\x12\x0b\x66\x65\x64synth.v1\"R\n\x0fGenerateRequest\x12\x0e\n\x06\x63ounts\x18\x01 \x03(\r\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x0f\n\x07offsets\x18\x03 \x03(\r\x12\x10\n\x08model_id\x18\x04 \x01(\t\"\xa5\x01\n\x0bVaryRequest\x12\x0e\n\x06images\x18\x01 \x01(\x0c\x12\x0e\n\x06labels\x18\x02 \x03(\r\x12\x10\n\x08strength\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x13\n\x0b\x66irst_index\x18\x05 \x01(\x04\x12\x10\n\x08model_id\x18\x06 \x01(\t\x12\x0e\n\x06height\x18\x07 \x01(\r\x12\r\n\x05width\x18\x08 \x01(\r\x12\x10\n\x08\x63hannels\x18\t \x01(\r\"r\n\nImageBatch\x12\x0e\n\x06images\x18\x01 \x01(\x0c\x12\x0e\n\x06labels\x18\x02 \x03(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12\x10\n\x08\x63hannels\x18\x05 \x01(\r\x12\x13\n\x0b\x66irst_index\x18\x06 \x01(\x04\"\r\n\x0bInfoRequest\"\x9b\x02\n\tInfoReply\x12\x13\n\x0bnum_classes\x18\x01 \x01(\r\x12\x10\n\x08\x63hannels\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x0c\n\x04size\x18\x06 \x01(\t\x12\x12\n\nparameters\x18\x07 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x0b \x01(\t\x12\x12\n\nddim_steps\x18\x0c \x01(\r\x12\x10\n\x08guidance\x18\r \x01(\x02\x12\x1a\n\x12max_request_images\x18\x0e \x01(\r\x12\x11\n\tmax_batch\x18\x0f \x01(\r2\xc7\x01\n\tGenerator\x12\x43\n\x08Generate\x12\x1c.fedsynth.v1.GenerateRequest\x1a\x17.fedsynth.v1.ImageBatch0\x01\x12;\n\x04Vary\x12\x18.fedsynth.v1.VaryRequest\x1a\x17.fedsynth.v1.ImageBatch0\x01\x12\x38\n\x04Info\x12\x18.fedsynth.v1.InfoRequest\x1a\x16.fedsynth.v1.InfoReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=44
   _globals['_GENERATEREQUEST']._serialized_end=126
-  _globals['_IMAGEBATCH']._serialized_start=128
-  _globals['_IMAGEBATCH']._serialized_end=242
-  _globals['_INFOREQUEST']._serialized_start=244
-  _globals['_INFOREQUEST']._serialized_end=257
-  _globals['_INFOREPLY']._serialized_start=260
-  _globals['_INFOREPLY']._serialized_end=543
-  _globals['_GENERATOR']._serialized_start=546
-  _globals['_GENERATOR']._serialized_end=684
+  _globals['_VARYREQUEST']._serialized_start=129
+  _globals['_VARYREQUEST']._serialized_end=294
+  _globals['_IMAGEBATCH']._serialized_start=296
+  _globals['_IMAGEBATCH']._serialized_end=410
+  _globals['_INFOREQUEST']._serialized_start=412
+  _globals['_INFOREQUEST']._serialized_end=425
+  _globals['_INFOREPLY']._serialized_start=428
+  _globals['_INFOREPLY']._serialized_end=711
+  _globals['_GENERATOR']._serialized_start=714
+  _globals['_GENERATOR']._serialized_end=913
 # @@protoc_insertion_point(module_scope)

@@ -18,6 +18,28 @@ class GenerateRequest(_message.Message):
     model_id: str
     def __init__(self, counts: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., model_id: _Optional[str] = ...) -> None: ...
 
+class VaryRequest(_message.Message):
+    __slots__ = ("images", "labels", "strength", "seed", "first_index", "model_id", "height", "width", "channels")
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    STRENGTH_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    images: bytes
+    labels: _containers.RepeatedScalarFieldContainer[int]
+    strength: float
+    seed: int
+    first_index: int
+    model_id: str
+    height: int
+    width: int
+    channels: int
+    def __init__(self, images: _Optional[bytes] = ..., labels: _Optional[_Iterable[int]] = ..., strength: _Optional[float] = ..., seed: _Optional[int] = ..., first_index: _Optional[int] = ..., model_id: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., channels: _Optional[int] = ...) -> None: ...
+
 class ImageBatch(_message.Message):
     __slots__ = ("images", "labels", "height", "width", "channels", "first_index")
     IMAGES_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class GeneratorStub:
                 request_serializer=fedsynth_dot_v1_dot_generator__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=fedsynth_dot_v1_dot_generator__pb2.ImageBatch.FromString,
                 _registered_method=True)
+        self.Vary = channel.unary_stream(
+                '/fedsynth.v1.Generator/Vary',
+                request_serializer=fedsynth_dot_v1_dot_generator__pb2.VaryRequest.SerializeToString,
+                response_deserializer=fedsynth_dot_v1_dot_generator__pb2.ImageBatch.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/fedsynth.v1.Generator/Info',
                 request_serializer=fedsynth_dot_v1_dot_generator__pb2.InfoRequest.SerializeToString,
@@ -58,6 +63,16 @@ class GeneratorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Vary(self, request, context):
+        """Variations of given images (SDEdit for ddpm: noise each source to a timestep set by strength, denoise with DDIM;
+        text2image: diffusers' image-to-image pipeline of the same saved model). Image i of the reply is a pure function
+        of (model, seed, labels[i], first_index + i, source image i, strength). Streams them in request order. Codes as
+        Generate's; FAILED_PRECONDITION also where the server makes no variations (holdout, the quality filter).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """What is being served: classes, image shape, model id and the sampling settings.
         """
@@ -71,6 +86,11 @@ def add_GeneratorServicer_to_server(servicer, server):
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=fedsynth_dot_v1_dot_generator__pb2.GenerateRequest.FromString,
+                    response_serializer=fedsynth_dot_v1_dot_generator__pb2.ImageBatch.SerializeToString,
+            ),
+            'Vary': grpc.unary_stream_rpc_method_handler(
+                    servicer.Vary,
+                    request_deserializer=fedsynth_dot_v1_dot_generator__pb2.VaryRequest.FromString,
                     response_serializer=fedsynth_dot_v1_dot_generator__pb2.ImageBatch.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
@@ -105,6 +125,33 @@ class Generator:
             target,
             '/fedsynth.v1.Generator/Generate',
             fedsynth_dot_v1_dot_generator__pb2.GenerateRequest.SerializeToString,
+            fedsynth_dot_v1_dot_generator__pb2.ImageBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Vary(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fedsynth.v1.Generator/Vary',
+            fedsynth_dot_v1_dot_generator__pb2.VaryRequest.SerializeToString,
             fedsynth_dot_v1_dot_generator__pb2.ImageBatch.FromString,
             options,
             channel_credentials,

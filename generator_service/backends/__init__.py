@@ -60,7 +60,8 @@ class GeneratorBackend(Protocol):
     def description(self) -> BackendDescription: ...
 
     def sample(self, keys: Sequence[ImageKey]) -> np.ndarray:
-        """uint8 images N x H x W x C, one per key, for 1 <= N <= the server's max batch."""
+        """uint8 images N x H x W x C, one per key, for 1 <= N <= the server's max batch. A key may be a VariationKey
+        (a subclass) only where check_variations(backend) passes."""
         ...
 
     def check_counts(self, counts: Sequence[int]) -> None:
@@ -100,6 +101,21 @@ class BackendSettings(Protocol):
     def prompt_template(self) -> str | None: ...  # text2image: "a photo of a {name}" when None
     @property
     def class_names_file(self) -> Path | None: ...  # text2image: one class name per line (npz needs one)
+
+
+def check_variations(backend: GeneratorBackend) -> None:
+    """Raise Unservable, saying why, unless backend.sample() also makes variations (VariationKey, for Vary). A backend
+    opts in with a check_variations() method of its own (ddpm, text2image; holdout's refuses). Without one it makes
+    none: a VariationKey is an ImageKey, so a backend that does not look for it would serve a fresh image instead."""
+    check = getattr(backend, "check_variations", None)
+    if callable(check):
+        check()
+        return
+    if hasattr(backend, "inner"):  # the quality filter wraps the loaded backend
+        raise Unservable("this server runs the quality filter (--min-confidence), which serves Generate only: it "
+                         "would judge and redraw a variation as a fresh image; ask a server without --min-confidence "
+                         "for variations")
+    raise Unservable(f"the {backend.description.backend} backend makes no variations")
 
 
 @dataclass(frozen=True)

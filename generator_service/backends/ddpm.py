@@ -1,4 +1,5 @@
-"""The `ddpm` backend: a trained generator folder sampled by the deterministic DDIM sampler."""
+"""The `ddpm` backend: a trained generator folder sampled by the deterministic DDIM sampler (fresh images and, for
+Vary, SDEdit variations)."""
 
 from __future__ import annotations
 
@@ -25,10 +26,13 @@ class DdpmBackend:
         return self._description
 
     def sample(self, keys: Sequence[ImageKey]) -> np.ndarray:
-        return self.sampler.sample(keys)
+        return self.sampler.sample(keys)  # ImageKeys and VariationKeys alike
 
     def check_counts(self, counts: Sequence[int]) -> None:
         return None  # a class-conditional model can draw every class it knows
+
+    def check_variations(self) -> None:
+        return None  # SDEdit: DdimSampler takes VariationKeys
 
 
 def load_ddpm(model_dir: Path, *, device: str = "auto", batch_size: int, ddim_steps: int | None = None,

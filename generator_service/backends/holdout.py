@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 # Extra SeedSequence words: keep the permutation and the with-replacement draws apart from each other.
 PERMUTATION_TAG = 0x5E1F
 REPLACEMENT_TAG = 0x5E20
+NO_VARIATIONS = "the holdout backend serves real images and makes no variations"
 
 
 class HoldoutBackend:
@@ -65,7 +66,14 @@ class HoldoutBackend:
         return int(members[draw])
 
     def sample(self, keys: Sequence[ImageKey]) -> np.ndarray:
+        from generator_service.ddpm.sampling import VariationKey
+
+        if any(isinstance(key, VariationKey) for key in keys):  # the servicer refuses Vary first; never a silent image
+            raise Unservable(NO_VARIATIONS)
         return self._images[[self.source_index(key) for key in keys]]
+
+    def check_variations(self) -> None:
+        raise Unservable(NO_VARIATIONS)
 
     def check_counts(self, counts: Sequence[int]) -> None:
         for class_id, count in enumerate(counts):

@@ -6,6 +6,10 @@ starting latents come from its own CPU `torch.Generator` seeded by (s, c, j) (a 
 pipeline also hands to an ancestral scheduler's per-step noise), and, as for `ddpm`, the pipeline always runs on
 `--max-batch` rows (unused rows repeat the first key) because CPU kernels give slightly different floats for
 different batch sizes. Nothing is ever downloaded: the folder is loaded with `local_files_only`.
+
+Variations (Vary) run diffusers' image-to-image pipeline of the same components (`AutoPipelineForImage2Image.from_pipe`,
+no second copy of the weights): each source upscaled to the pipeline's resolution, re-run for the share of the steps its
+strength picks, with the same per-row generators, resized back like a fresh image.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 from fedsynth.config import DEFAULT_PROMPT_TEMPLATE, check_prompt_template
 from fedsynth.config_schema import CIFAR10_CLASSES, CIFAR100_CLASSES
 from fedsynth.errors import ConfigError
-from generator_service.backends import BackendDescription, BackendSettings, BackendSpec
+from generator_service.backends import BackendDescription, BackendSettings, BackendSpec, Unservable
 
 if TYPE_CHECKING:
     from generator_service.ddpm.sampling import ImageKey
@@ -98,8 +102,10 @@ class Text2ImageBackend:
     """Serves every class it has a name for; the pipeline always runs on batch_size rows."""
 
     def __init__(self, pipeline: Any, prompts: Sequence[str], *, image_shape: tuple[int, int, int], steps: int,
-                 guidance: float, batch_size: int, device: torch.device, description: BackendDescription) -> None:
+                 guidance: float, batch_size: int, device: torch.device, description: BackendDescription,
+                 img2img: Any = None) -> None:
         self.pipeline = pipeline
+        self.img2img = img2img  # the image-to-image pipeline sharing pipeline's components; None: no variations
         self.prompts = tuple(prompts)
         self.image_shape = image_shape
         self.steps = steps
@@ -115,9 +121,15 @@ class Text2ImageBackend:
     def check_counts(self, counts: Sequence[int]) -> None:
         return None  # every class has a prompt
 
+    def check_variations(self) -> None:
+        if self.img2img is None:
+            raise Unservable(f"the text2image pipeline {type(self.pipeline).__name__} has no image-to-image "
+                             "counterpart in diffusers, so this server makes no variations")
+
     @torch.no_grad()
     def sample(self, keys: Sequence[ImageKey]) -> np.ndarray:
-        from generator_service.ddpm.sampling import noise_seed
+        """Fresh images and variations mixed: each group of rows (sampling.group_rows) runs as its own padded batch."""
+        from generator_service.ddpm.sampling import group_rows
 
         count, size = len(keys), self.batch_size
         if not 1 <= count <= size:
@@ -125,6 +137,17 @@ class Text2ImageBackend:
         for key in keys:
             if not 0 <= key.class_id < len(self.prompts):
                 raise ValueError(f"class id {key.class_id} out of range 0..{len(self.prompts) - 1}")
+        channels, height, width = self.image_shape
+        images = np.empty((count, height, width, channels), dtype=np.uint8)
+        for rows, rerun in group_rows(keys, self.steps):
+            group = [keys[row] for row in rows]
+            images[rows] = self._generate(group) if rerun is None else self._vary(group, rerun)
+        return images
+
+    def _generate(self, keys: Sequence[ImageKey]) -> np.ndarray:
+        from generator_service.ddpm.sampling import noise_seed
+
+        count, size = len(keys), self.batch_size
         rows = list(keys) + [keys[0]] * (size - count)  # padding rows: results dropped, row-independent anyway
         generators = [torch.Generator(device="cpu").manual_seed(noise_seed(key)) for key in rows]
         result = self.pipeline(
@@ -132,6 +155,39 @@ class Text2ImageBackend:
             guidance_scale=1.0 + self.guidance, generator=generators, output_type="pt",
         ).images[:count]
         return to_dataset_images(result, self.image_shape)
+
+    def _vary(self, keys: Sequence[ImageKey], rerun: int) -> np.ndarray:
+        """img2img over `rerun` of the `steps` steps; the sources, in [0, 1], upscaled to the pipeline's resolution."""
+        from generator_service.ddpm.sampling import VariationKey, noise_seed, source_pixels
+
+        self.check_variations()
+        count, size = len(keys), self.batch_size
+        rows = list(keys) + [keys[0]] * (size - count)
+        sources = []
+        for key in rows:
+            assert isinstance(key, VariationKey)
+            sources.append(source_pixels(key, self.image_shape))
+        native = self.native_size()
+        x = torch.stack(sources)
+        if x.shape[1] == 1:
+            x = x.repeat(1, 3, 1, 1)
+        x = torch.nn.functional.interpolate(x, size=(native, native), mode="bilinear", antialias=False,
+                                            align_corners=False).clamp(0.0, 1.0)
+        generators = [torch.Generator(device="cpu").manual_seed(noise_seed(key)) for key in rows]
+        # The pipeline re-runs int(steps * strength) steps: (rerun + 0.5) / steps makes that exactly `rerun`.
+        strength = min(1.0, (rerun + 0.5) / self.steps)
+        result = self.img2img(
+            prompt=[self.prompts[key.class_id] for key in rows], image=x, strength=strength,
+            num_inference_steps=self.steps, guidance_scale=1.0 + self.guidance, generator=generators,
+            output_type="pt",
+        ).images[:count]
+        return to_dataset_images(result, self.image_shape)
+
+    def native_size(self) -> int:
+        """The side of the images the pipeline draws: its UNet's sample size times the VAE's downscale factor."""
+        sample_size = self.pipeline.unet.config.sample_size
+        side = sample_size if isinstance(sample_size, int) else sample_size[0]
+        return int(side) * int(self.pipeline.vae_scale_factor)
 
 
 def to_dataset_images(images: torch.Tensor, image_shape: tuple[int, int, int]) -> np.ndarray:
@@ -176,6 +232,7 @@ def load_text2image(model_dir: Path, *, dataset: str, data_dir: Path | None = No
         raise ConfigError(f"text2image model folder {str(model_dir)!r} could not be loaded: {first}") from exc
     pipeline = pipeline.to(target)
     pipeline.set_progress_bar_config(disable=True)
+    img2img = image_to_image(pipeline)
     if target.type == "cuda":
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
@@ -189,7 +246,21 @@ def load_text2image(model_dir: Path, *, dataset: str, data_dir: Path | None = No
         size=type(pipeline).__name__, parameters=parameters, ddim_steps=steps, guidance=guidance,
     )
     return Text2ImageBackend(pipeline, prompts, image_shape=shape, steps=steps, guidance=guidance,
-                             batch_size=batch_size, device=target, description=description)
+                             batch_size=batch_size, device=target, description=description, img2img=img2img)
+
+
+def image_to_image(pipeline: Any) -> Any:
+    """diffusers' image-to-image pipeline sharing `pipeline`'s components (no copy of the weights), or None where
+    diffusers has none for this pipeline class. Both run on the batcher's one worker thread, so sharing the (stateful)
+    scheduler is safe: every call sets its timesteps afresh."""
+    from diffusers import AutoPipelineForImage2Image
+
+    try:
+        img2img = AutoPipelineForImage2Image.from_pipe(pipeline)
+    except ValueError:  # "AutoPipeline can't find a pipeline linked to ..."
+        return None
+    img2img.set_progress_bar_config(disable=True)
+    return img2img
 
 
 def _check(config: BackendSettings) -> None:

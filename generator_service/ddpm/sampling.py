@@ -1,10 +1,15 @@
-"""Deterministic DDIM sampling with classifier-free guidance; each image is a pure function of its key."""
+"""Deterministic DDIM sampling with classifier-free guidance; each image is a pure function of its key.
+
+A key names either a fresh image (ImageKey) or a variation of a given one (VariationKey: SDEdit, as diffusers'
+image-to-image pipelines do it: the source is noised to the timestep its strength picks, then denoised by the same
+guided DDIM loop over the rest of the schedule)."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -23,10 +28,57 @@ class ImageKey:
     index: int
 
 
+@dataclass(frozen=True, slots=True)
+class VariationKey(ImageKey):
+    """Names one variation: (seed, class, index) as an ImageKey, plus its source (uint8 H x W x C bytes of the served
+    shape) and strength in (0, 1]. It IS an ImageKey, so the batcher and every backend signature carry both kinds; a
+    backend serves variations only if it says so (generator_service.backends.check_variations), since one that does not
+    look would take it for a fresh image."""
+
+    source: bytes = field(repr=False)
+    strength: float
+
+
+# An extra SeedSequence word for variations: a variation's noise is never that of the Generate image with the same
+# (seed, class, index), which at strength 1 would otherwise redraw (nearly) that very image.
+VARIATION_TAG = 0x7A12
+# Strength travels as a float32 (0.7 arrives as 0.69999998): floor(steps * strength) tolerates that much.
+STRENGTH_TOLERANCE = 1e-4
+
+
 def noise_seed(key: ImageKey) -> int:
-    """A 63-bit seed derived from (seed, class, index) alone, so the noise never depends on batching."""
-    state = np.random.SeedSequence([key.seed, key.class_id, key.index]).generate_state(2, np.uint32)
+    """A 63-bit seed derived from (seed, class, index) alone (and, for a variation, a tag), so the noise never depends
+    on batching, nor, for a variation, on its source or strength."""
+    words = [key.seed, key.class_id, key.index] + ([VARIATION_TAG] if isinstance(key, VariationKey) else [])
+    state = np.random.SeedSequence(words).generate_state(2, np.uint32)
     return (int(state[0]) << 31) ^ int(state[1])
+
+
+def steps_rerun(strength: float, steps: int) -> int:
+    """How many of `steps` sampling steps a variation re-runs: diffusers' img2img rule min(int(steps * strength),
+    steps), with a float32 tolerance, and at least 1."""
+    if not (math.isfinite(strength) and 0.0 < strength <= 1.0):
+        raise ValueError(f"strength must be in (0, 1], got {strength}")
+    return max(1, min(math.floor(steps * strength + STRENGTH_TOLERANCE), steps))
+
+
+def group_rows(keys: Sequence[ImageKey], steps: int) -> list[tuple[list[int], int | None]]:
+    """Rows of `keys` that can share one sampling batch, in order of first appearance: the fresh images (None), and
+    the variations by the number of steps they re-run (their strength matters only through it)."""
+    groups: dict[int | None, list[int]] = {}
+    for row, key in enumerate(keys):
+        rerun = steps_rerun(key.strength, steps) if isinstance(key, VariationKey) else None
+        groups.setdefault(rerun, []).append(row)
+    return [(rows, rerun) for rerun, rows in groups.items()]
+
+
+def source_pixels(key: VariationKey, image_shape: tuple[int, int, int]) -> torch.Tensor:
+    """A variation's source as floats C x H x W in [0, 1]."""
+    channels, height, width = image_shape
+    if len(key.source) != channels * height * width:
+        raise ValueError(f"a variation source of {len(key.source)} bytes is not one {height}x{width}x{channels} image")
+    pixels = np.frombuffer(key.source, dtype=np.uint8).reshape(height, width, channels)
+    return torch.from_numpy(pixels.copy()).permute(2, 0, 1).float() / 255.0
 
 
 def initial_noise(key: ImageKey, image_shape: tuple[int, int, int]) -> torch.Tensor:
@@ -121,21 +173,44 @@ class DdimSampler:
 
     @torch.no_grad()
     def sample(self, keys: Sequence[ImageKey]) -> np.ndarray:
-        """uint8 images N x H x W x C for up to batch_size keys, identical whatever else shares the batch."""
+        """uint8 images N x H x W x C for up to batch_size keys, fresh images and variations mixed, identical whatever
+        else shares the batch: each group of rows (group_rows) runs on a batch of its own, padded to batch_size."""
         count, size = len(keys), self.config.batch_size
         if not 1 <= count <= size:
             raise ValueError(f"sample() takes 1..{size} keys, got {count}")
+        for key in keys:
+            if not 0 <= key.class_id < self.num_classes:
+                raise ValueError(f"class id {key.class_id} out of range 0..{self.num_classes - 1}")
+        channels, height, width = self.image_shape
+        images = np.empty((count, height, width, channels), dtype=np.uint8)
+        for rows, rerun in group_rows(keys, self.config.steps):
+            images[rows] = self._sample_group([keys[row] for row in rows], rerun)
+        return images
+
+    def _sample_group(self, keys: Sequence[ImageKey], rerun: int | None) -> np.ndarray:
+        """Fresh images (rerun None) from pure noise over every timestep; variations (SDEdit) from their sources
+        noised to the first of the last `rerun` timesteps, with that same per-key CPU noise, then denoised over them."""
+        size = self.config.batch_size
         noise = torch.zeros((size, *self.image_shape))
         labels = torch.full((size,), self.num_classes, dtype=torch.long)
         for row, key in enumerate(keys):
-            if not 0 <= key.class_id < self.num_classes:
-                raise ValueError(f"class id {key.class_id} out of range 0..{self.num_classes - 1}")
             noise[row] = initial_noise(key, self.image_shape)
             labels[row] = key.class_id
-        x, labels = noise.to(self.device), labels.to(self.device)
-        for timestep in self.scheduler.timesteps:
+        timesteps = self.scheduler.timesteps
+        if rerun is None:
+            x = noise
+        else:
+            timesteps = timesteps[len(timesteps) - rerun :]
+            sources = torch.zeros((size, *self.image_shape))  # padding rows: a zero (mid-gray) source
+            for row, key in enumerate(keys):
+                assert isinstance(key, VariationKey)
+                sources[row] = source_pixels(key, self.image_shape) * 2.0 - 1.0
+            start = torch.full((size,), int(timesteps[0]), dtype=torch.long)
+            x = self.scheduler.add_noise(sources, noise, start)  # on the CPU: the same numbers on every device
+        x, labels = x.to(self.device), labels.to(self.device)
+        for timestep in timesteps:
             t = torch.full((size,), int(timestep), device=self.device, dtype=torch.long)
             t_model = t if self.config.guidance == 0.0 else torch.cat([t, t])
             eps = self._epsilon(x, t_model, labels)
             x = self.scheduler.step(eps, int(timestep), x, eta=0.0).prev_sample
-        return to_uint8_nhwc(x[:count])
+        return to_uint8_nhwc(x[: len(keys)])

@@ -20,10 +20,12 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import torch
 
 from coordinator.dispatch import TaskDelivery
+from coordinator.evolution_source import GeneratorSource
 from coordinator.dp_secret import noise_secret
 from coordinator.fedgen_server import FedGenServer
 from coordinator.mean_pool import MeanDataPool
@@ -47,9 +49,10 @@ from fedsynth.assembly import algorithm_for, model_for, user_dp_for
 from fedsynth.config import RunConfig
 from fedsynth.learning.data import load_dataset
 from fedsynth.algorithms.ddpm import FedDdpm
+from fedsynth.algorithms.evolution import PrivateEvolution
 from fedsynth.learning.local_data import load_test_dir
 from fedsynth.learning.label_schema import schema_of
-from fedsynth.errors import StateError, WireError
+from fedsynth.errors import ConfigError, StateError, WireError
 from fedsynth.learning.evaluation import EvaluationCounts
 from fedsynth.learning.training import TrainData, images_to_tensor
 from fedsynth.wire.transfer import PreparedPayload
@@ -57,8 +60,18 @@ from fedsynth.wire.transfer import PreparedPayload
 log = logging.getLogger(__name__)
 
 
+def evolution_source(generator: str | None, credentials: grpc.ChannelCredentials | None, num_classes: int,
+                     image_shape: tuple[int, int, int], cfg: RunConfig) -> GeneratorSource:
+    """Private Evolution's public generator (`fedsynth coordinator --generator`, which the launcher passes)."""
+    if generator is None:
+        raise ConfigError("train.algorithm = \"pe\" needs the public generator's address: fedsynth coordinator --generator HOST:PORT")
+    return GeneratorSource(generator, credentials, num_classes=num_classes, image_shape=image_shape,
+                           timeout_s=cfg.runtime.round_timeout_s)
+
+
 class Federation:
-    def __init__(self, cfg: RunConfig, out_dir: Path, metrics: CoordinatorMetrics) -> None:
+    def __init__(self, cfg: RunConfig, out_dir: Path, metrics: CoordinatorMetrics, *, generator: str | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.cfg = cfg
         self.out_dir = out_dir
         self.metrics = metrics
@@ -92,6 +105,9 @@ class Federation:
             from fedsynth.learning.models import load_init_weights
 
             self.init_weights = load_init_weights(model, Path(cfg.train.init_weights))
+        if isinstance(algorithm, PrivateEvolution):  # its population comes from the public generator; its noise has a secret
+            algorithm = dataclasses.replace(algorithm, noise_secret=noise_secret(out_dir),
+                                            source=evolution_source(generator, credentials, num_classes, (channels, height, width), cfg))
         self.state = RunState(model, algorithm, run_id=self.run_id, seed=cfg.seed)
         wire = cfg.runtime.wire_dtype
         self.update_layout = update_layout(wire_dtype.expected_layout(self.state.layout, wire),
@@ -139,7 +155,7 @@ class Federation:
         """epsilon so far: the classifier's (train.dp = "user") or the federated generator's; None for a run without DP."""
         if self.driver.user_dp is not None:
             return self.driver.user_dp.report(self.completed)
-        if self.cfg.train.algorithm != "ddpm":
+        if self.cfg.train.algorithm not in ("ddpm", "pe"):
             return None
         return self.driver.algorithm.privacy_report(self.completed, *self.driver.participation())  # type: ignore[attr-defined, no-any-return]
 

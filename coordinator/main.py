@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with runtime.data_plane = \"tcp\": the data plane's port on the same host (default 0: a free one, "
                              "announced to each client at registration; fix it where a firewall must let it through)")
     add_metrics_arguments(parser, linger=True)
+    parser.add_argument("--generator", metavar="HOST:PORT", default=None,
+                        help="the public generator service (train.algorithm = \"pe\": Private Evolution's candidates)")
     parser.add_argument("--log-level", default="INFO")
     tls.add_tls_arguments(parser, server=True)
 
@@ -63,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.data_port <= 65535:
         raise ConfigError(f"--data-port must be a port number (0-65535), got {args.data_port}")
     coordinator, bound = create_server(cfg, out_dir=out_dir, host=host, port=port, data_port=args.data_port, security=security,
-                                       metrics=CoordinatorMetrics())
+                                       metrics=CoordinatorMetrics(), generator=args.generator,
+                                       generator_credentials=tls.channel_credentials(security.files) if security.files else None)
     federation = coordinator.federation
     # 2 s for in-flight RPCs on SIGTERM: completed rounds are checkpointed already, and a child must be gone soon
     # after its launcher (the parent-death signal) or a service manager asks.

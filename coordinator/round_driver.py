@@ -299,6 +299,8 @@ class RoundDriver:
             self.unmasking = None
         if isinstance(rnd.aggregator, SecureRound):  # who survived, and what unmasking them cost
             members = {**members, "secure_aggregation": rnd.aggregator.summary()}
+        if getattr(rnd.aggregator, "evolution_figures", None):  # Private Evolution: the draw and the variations' strength
+            members = {**members, "evolution": rnd.aggregator.evolution_figures}  # type: ignore[attr-defined]
         state.model.load_state_dict(new_global)
         del new_global, global_state, payload
         rnd.release()  # the running sum, the payload and the old global state go now, not after the evaluation
@@ -439,7 +441,7 @@ class RoundDriver:
         }
         if self.user_dp is not None:  # the classifier's epsilon so far
             summary["privacy"] = self.user_dp.report(rnd.number)
-        elif self.cfg.train.algorithm == "ddpm":  # the federated generator: epsilon so far, and the updates' norms
+        elif self.cfg.train.algorithm in ("ddpm", "pe"):  # a generator's run: epsilon so far (and ddpm's updates' norms)
             summary["privacy"] = self.algorithm.privacy_report(rnd.number, *self.participation(history=[*self.state.history, summary]))  # type: ignore[attr-defined]
         if self.norm_bound.enabled:
             summary["update_norms"] = {

@@ -76,13 +76,15 @@ def create_server(
     data_port: int = 0,
     security: tls.ServerSecurity | None = None,
     metrics: CoordinatorMetrics | None = None,
+    generator: str | None = None,
+    generator_credentials: grpc.ChannelCredentials | None = None,
 ) -> tuple[CoordinatorServer, int]:
     """Build the federation (data, model, checkpoint resume), bind host:port (0 picks a free port) and, with
     runtime.data_plane = "tcp", the data plane on host:data_port, start serving and report SERVING; the rounds start
     only when the caller runs `server.federation.run()`."""
     security = security or tls.ServerSecurity(files=None)
     credentials = security.credentials()
-    federation = Federation(cfg, out_dir, metrics or CoordinatorMetrics())
+    federation = Federation(cfg, out_dir, metrics or CoordinatorMetrics(), generator=generator, credentials=generator_credentials)
     # A dispatch stream holds a worker thread per connected client; leave room for uploads and health checks. RPCs past
     # the workers are refused RESOURCE_EXHAUSTED (a client retries) instead of queueing without bound behind them.
     workers = max(16, 2 * cfg.data.clients + 8)

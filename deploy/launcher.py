@@ -92,7 +92,7 @@ class Launcher:
 
     def start_generator(self) -> str | None:
         gen = self.cfg.generation
-        if gen.policy == "none":
+        if gen.policy == "none" and self.cfg.train.algorithm != "pe":  # Private Evolution's coordinator asks the generator
             return gen.generator
         from deploy.generator_setup import check_backend, serve_arguments
 
@@ -138,7 +138,7 @@ class Launcher:
                 if time.monotonic() >= stop_at:
                     raise TimeoutError(f"the generator was not SERVING within {limit:.0f}s") from None
 
-    def start_coordinator(self) -> str:
+    def start_coordinator(self, generator: str | None = None) -> str:
         port_file = self.out_dir / "coordinator.port"
         port_file.unlink(missing_ok=True)
         child = self.group.start(
@@ -146,6 +146,7 @@ class Launcher:
             fedsynth_command(
                 "coordinator", *self._config_args(), "--out-dir", str(self.out_dir), "--host", self.cfg.runtime.host,
                 "--port", str(self.cfg.runtime.coordinator_port), "--port-file", str(port_file), "--metrics-port", "0", *self.tls_flags,
+                *(["--generator", generator] if generator and self.cfg.train.algorithm == "pe" else []),
             ),
         )
         self.coordinator = child
@@ -162,7 +163,7 @@ class Launcher:
                 lo, _, hi = ids.partition("-")
                 local_dir = Path(str(self.cfg.data.local_dir))
                 command += [item for cid in range(int(lo), int(hi) + 1) for item in ("--data", f"{cid}={local_dir / f'client-{cid}'}")]
-            if generator:
+            if generator and self.cfg.generation.policy != "none":
                 command += ["--generator", generator]
             self.group.start(f"client-{ids}", command)
 
@@ -380,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
     success = False
     try:
         generator = launcher.start_generator()
-        coordinator = launcher.start_coordinator()
+        coordinator = launcher.start_coordinator(generator)
         launcher.start_clients(coordinator, generator)
         log.info("run folder %s; logs in %s", out_dir, launcher.group.log_dir)
         success = launcher.follow(coordinator)

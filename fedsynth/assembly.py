@@ -51,6 +51,9 @@ def algorithm_for(cfg: RunConfig) -> Algorithm:
         return get_algorithm("ddpm", settings=cfg.federate, size=cfg.train.model.removeprefix("unet-"), clients=cfg.data.clients,
                              clients_per_round=clients_per_round(cfg), rounds=cfg.train.rounds, seed=cfg.seed,
                              flip=cfg.data.dataset in FLIP_DATASETS)
+    if cfg.train.algorithm == "pe":  # Private Evolution: its settings are the [evolve] section
+        return get_algorithm("pe", settings=cfg.evolve, num_classes=_num_classes(cfg), clients=cfg.data.clients,
+                             clients_per_round=clients_per_round(cfg), rounds=cfg.train.rounds, seed=cfg.seed)
     params = dict(cfg.train.algorithm_params)
     if cfg.train.algorithm == "scaffold":
         params.setdefault("num_clients", cfg.data.clients)
@@ -60,9 +63,26 @@ def algorithm_for(cfg: RunConfig) -> Algorithm:
     return get_algorithm(cfg.train.algorithm, **params)
 
 
+def _num_classes(cfg: RunConfig) -> int:
+    """The run's classes, as every process can tell them: the label schema (local mode), else the dataset's."""
+    from fedsynth.learning.data import NUM_CLASSES, load_labels, num_classes
+    from fedsynth.learning.label_schema import schema_of
+
+    schema = schema_of(cfg.data)
+    if schema is not None:
+        return len(schema.classes)
+    if cfg.data.dataset in NUM_CLASSES:
+        return NUM_CLASSES[cfg.data.dataset]
+    return num_classes(cfg.data.dataset, load_labels(cfg.data.dataset, "train", data_dir=cfg.data.data_dir))
+
+
 def model_for(cfg: RunConfig, *, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
     """The run's model: `train.model`, with MOON's projection head when the algorithm is MOON (projection_dim > 0).
     Weights come from torch's global RNG, as build_model's do."""
+    if cfg.train.algorithm == "pe":
+        from fedsynth.algorithms.evolution import VoteTally
+
+        return VoteTally(num_classes * cfg.evolve.candidates_per_class)
     model = build_model(cfg.train.model, num_classes=num_classes, in_channels=in_channels, image_size=image_size)
     projection_dim = getattr(algorithm_for(cfg), "projection_dim", 0) if cfg.train.algorithm == "moon" else 0
     _check_split_for(cfg, model, projection_dim)

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generator train": ("generator_service.train_cmd", "train the class-conditional generator on a dataset"),
     "generator evaluate": ("generator_service.evaluate_cmd", "score a generator's images with a judge trained on real data"),
     "generator federate": ("generator_service.federate_cmd", "train the class-conditional generator across client nodes, optionally with DP"),
+    "generator evolve": ("generator_service.evolve_cmd", "Private Evolution: a public generator's images, selected by the clients' noisy votes"),
     "generator dpgan": ("generator_service.dpgan_cmd", "train a DP WGAN-GP on local images and write unlabelled samples"),
     "experiment": ("deploy.experiment", "several arms on the same partition and seed, with a comparison table"),
     "data split": ("fedsynth.learning.split_cmd", "write per-client data folders (split mode's shards) for local mode"),

@@ -34,6 +34,8 @@ from fedsynth.config_schema import (
     PARTITIONS,
     POLICIES,
     UNET_MODELS,
+    PE_MODEL,
+    EMBEDDERS,
     UPDATE_NORM_ACTIONS,
     WIRE_DTYPES,
     Section,
@@ -210,7 +212,7 @@ class TrainConfig(Section):
         self.non_empty("init_weights")
         self.one_of("aggregation", AGGREGATIONS)
         self.parameters_of(self.aggregation, "aggregation_params", AGGREGATION_PARAMS)
-        self.model_spec("model", CLASSIFIER_MODELS, internal=UNET_MODELS)
+        self.model_spec("model", CLASSIFIER_MODELS, internal=(*UNET_MODELS, PE_MODEL))
         self.one_of("algorithm", ALGORITHMS)
         self.at_least(1, "rounds", "batch_size", "local_epochs", "eval_batch_size")
         self.within("fraction", 0, 1, low_open=True)
@@ -447,6 +449,40 @@ class FederateConfig(Section):
 
 
 @dataclass(frozen=True)
+class EvolveConfig(Section):
+    """Private Evolution over a public generator (train.algorithm = "pe", `fedsynth generator evolve`): the candidate
+    set, the clients' nearest-neighbour votes and their differential privacy (docs/private-evolution.md)."""
+
+    SECTION: ClassVar[str] = "evolve"
+    candidates_per_class: int = 50  # M: the candidates each class's private images vote among, every iteration
+    dp: str = "sample"  # sample (one private image changes one vote) | user (a client's votes, L2-normalised) | none
+    noise_multiplier: float = 1.0  # sigma of the Gaussian noise on the summed histogram (sensitivity 1), without a target
+    target_epsilon: float | None = None  # picks sigma (Opacus get_noise_multiplier) for train.rounds iterations
+    delta: float = 1e-5  # the delta epsilon is accounted at (dp sample or user)
+    accountant: str = "rdp"  # Opacus's: rdp or prv
+    threshold: float = 2.0  # H, in units of sigma: a candidate needs more than H x sigma noisy votes to be drawn from
+    strength_start: float = 0.8  # the variation strength (SDEdit's share of the schedule) after iteration 1 ...
+    strength_end: float = 0.4  # ... falling linearly to this after the last
+    embedder: str = "pixels"  # the public feature extractor the votes are cast in: "pixels", hand-built (no training)
+    secure_noise: bool = False  # the histogram's noise from a CSPRNG seed; runs stop being reproducible
+
+    def check(self) -> None:
+        self.at_least(1, "candidates_per_class")
+        self.one_of("dp", DP_LEVELS)
+        self.one_of("accountant", ACCOUNTANTS)
+        self.one_of("embedder", EMBEDDERS)
+        self.above(0, "target_epsilon")
+        self.within("delta", 0, 1, low_open=True, high_open=True)
+        self.at_least(0, "threshold")
+        self.within("strength_start", 0, 1, low_open=True)
+        self.within("strength_end", 0, 1, low_open=True)
+        if self.dp != "none" and self.target_epsilon is None:
+            self.above(0, "noise_multiplier")
+        else:
+            self.at_least(0, "noise_multiplier")
+
+
+@dataclass(frozen=True)
 class RunConfig(Section):
     """A run: its name, seed and output folder, then one table per section."""
 
@@ -459,6 +495,7 @@ class RunConfig(Section):
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     sdafl: SdaflConfig = field(default_factory=SdaflConfig)
     federate: FederateConfig = field(default_factory=FederateConfig)
+    evolve: EvolveConfig = field(default_factory=EvolveConfig)
 
     def check(self) -> None:
         self.non_empty("name", "out_dir")
@@ -467,13 +504,19 @@ class RunConfig(Section):
         if (self.train.algorithm == "ddpm") != unet:
             raise ConfigError(f"train.model={self.train.model!r} with train.algorithm={self.train.algorithm!r}: the unet-* "
                               "models are trained by the \"ddpm\" algorithm, and it trains nothing else")
+        if (self.train.algorithm == "pe") != (self.train.model == PE_MODEL):
+            raise ConfigError(f"train.model={self.train.model!r} with train.algorithm={self.train.algorithm!r}: Private "
+                              f"Evolution (\"pe\") keeps a vote per candidate, train.model = \"{PE_MODEL}\", and nothing else does")
+        if self.train.algorithm == "pe":
+            self._check_evolution()
         if unet and self.generation.policy != "none":
             raise ConfigError(f"generation.policy must be \"none\" when training a generator (train.algorithm = \"ddpm\"), "
                               f"got {self.generation.policy!r}")
         if unet and self.train.evaluation != "server":
             raise ConfigError(f"train.evaluation must be \"server\" when training a generator (train.algorithm = \"ddpm\"): "
                               f"the clients have no classifier to test, got {self.train.evaluation!r}")
-        if self.data.source == "local" and self.data.test_dir is None and not unet and self.train.evaluation != "federated":
+        server_only = unet or self.train.algorithm == "pe"  # a generator's run: no classifier for the clients to test
+        if self.data.source == "local" and self.data.test_dir is None and not server_only and self.train.evaluation != "federated":
             raise ConfigError(f"train.evaluation must be \"federated\" when data.source = \"local\" without data.test_dir: "
                               f"the coordinator holds no test data, got {self.train.evaluation!r}")
         # The same names as fedsynth.algorithms.robust.PLAIN_MEAN_ALGORITHMS (tests/test_robust_aggregation.py checks).
@@ -490,6 +533,32 @@ class RunConfig(Section):
             raise ConfigError(f"train.optimizer = {self.train.optimizer!r} with train.algorithm = \"scaffold\": SCAFFOLD's "
                               "control variates divide a round's move by the lr and the steps of (heavy-ball) SGD, which "
                               "an Adam step is not a multiple of; use train.optimizer = \"sgd\"")
+
+    def _check_evolution(self) -> None:
+        """Private Evolution's votes are summed, noised and thresholded by the coordinator as they are: refused, naming
+        the key, whatever would change them on the way (docs/private-evolution.md)."""
+        t, r = self.train, self.runtime
+        refused = {
+            "generation.policy": (self.generation.policy, "none", "the clients vote; they train no classifier to augment"),
+            "train.evaluation": (t.evaluation, "server", "the clients have no model to test"),
+            "train.aggregation": (t.aggregation, "mean", "the votes are summed; a robust rule has another sensitivity"),
+            "train.dp": (t.dp, "none", "the votes' privacy is evolve.dp"),
+            "runtime.wire_dtype": (r.wire_dtype, "float32", "a vote count must arrive exact"),
+            "runtime.secure_aggregation": (r.secure_aggregation, False, "not built yet for the votes: the coordinator adds the noise"),
+            "runtime.max_update_norm": (r.max_update_norm, 0.0, "each vote vector is bounded by evolve.dp's own rule"),
+        }
+        for key, (value, wanted, why) in refused.items():
+            if value != wanted:
+                raise ConfigError(f"{key} = {value!r} with train.algorithm = \"pe\": {why}; leave it at {wanted!r}")
+        g = self.generation
+        if g.model_dir is None and g.generator is None:
+            raise ConfigError("train.algorithm = \"pe\" needs a public generator: generation.model_dir (a folder trained on "
+                              "public data only) or generation.generator (a running one); none would be trained on the "
+                              "clients' data")
+        if g.backend == "holdout" or g.min_confidence > 0:
+            raise ConfigError(f"train.algorithm = \"pe\" with generation.backend = {g.backend!r} and generation.min_confidence = "
+                              f"{g.min_confidence!r}: the holdout backend serves the run's real images and the quality "
+                              "filter's judge learns the clients' training split; use a public ddpm or text2image model, unfiltered")
 
     def _check_user_dp(self) -> None:
         """train.dp = "user" only where the noisy mean of the clipped models is everything the server learns from the
@@ -584,6 +653,10 @@ class RunConfig(Section):
             content.pop("federate")
         elif content["federate"]["dp"] != "none" and content["federate"]["target_epsilon"] is not None:
             content["federate"]["rounds"] = self.train.rounds  # sigma follows from (target, rounds): no extending
+        if content["train"]["algorithm"] != "pe":  # the section came later and changes only Private Evolution
+            content.pop("evolve")
+        else:  # the strength schedule and sigma follow from train.rounds: an evolution cannot be extended
+            content["evolve"]["rounds"] = self.train.rounds
         for key, default in LATER_GENERATION_KEYS.items():  # keys that came later: at their defaults, old fingerprints hold
             if content["generation"][key] == default:
                 content["generation"].pop(key)
@@ -604,6 +677,7 @@ SECTIONS = {
     "runtime": RuntimeConfig,
     "sdafl": SdaflConfig,
     "federate": FederateConfig,
+    "evolve": EvolveConfig,
 }
 
 
@@ -627,7 +701,7 @@ def from_dict(raw: dict[str, Any]) -> RunConfig:
     sections: dict[str, Any] = {}
     data, train = raw.get("data", {}), raw.get("train", {})
     if (isinstance(data, dict) and isinstance(train, dict) and data.get("source") == "local" and "evaluation" not in train
-            and data.get("test_dir") is None and train.get("algorithm") != "ddpm"):
+            and data.get("test_dir") is None and train.get("algorithm") not in ("ddpm", "pe")):
         raw = {**raw, "train": {**train, "evaluation": "federated"}}  # local mode without test data: the clients test
     for name, cls in SECTIONS.items():
         table = raw.get(name, {})

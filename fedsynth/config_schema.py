@@ -28,6 +28,8 @@ CLASSIFIER_MODELS = ("cnn", "resnet18")
 # The class-conditional DDPM UNet of each generator size (fedsynth.learning.unet): trained only by the "ddpm" algorithm
 # (`fedsynth generator federate` sets train.model to one), so train.model accepts them but its error never lists them.
 UNET_MODELS = ("unet-tiny", "unet-small", "unet-half", "unet-ddpm-cifar")
+# Private Evolution's "model" (train.algorithm = "pe", `fedsynth generator evolve`): one vote per candidate image.
+PE_MODEL = "pe-votes"
 MODELS = CLASSIFIER_MODELS + UNET_MODELS  # every built-in name build_model knows
 TORCHVISION_PREFIX = "torchvision:"  # train.model = "torchvision:<builder>": a classification builder of torchvision.models
 GENERATOR_BACKENDS = ("ddpm", "holdout", "text2image")  # generator_service.backends; holdout: real held-out images
@@ -41,6 +43,7 @@ GENERATOR_TRAIN_LR = {"tiny": 2e-3, "small": 2e-3, "half": 2e-4, "ddpm-cifar": 2
 GENERATOR_SIDE_DIVISOR = {"tiny": 2, "small": 4, "half": 8, "ddpm-cifar": 8}
 WIRE_DTYPES = ("float32", "float16", "bfloat16")  # fedsynth.wire.wire_dtype: the floats of client updates on the wire
 DP_LEVELS = ("none", "user", "sample")  # federate.dp: none, DP-FedAvg (a client's whole data), DP-SGD (one image)
+EMBEDDERS = ("pixels",)  # evolve.embedder: the public feature extractor Private Evolution's votes are cast in
 EVALUATIONS = ("server", "federated", "both")  # who tests the global model: the coordinator, the clients (counts), or both
 DATA_PLANES = ("grpc", "tcp")  # how model payloads travel: chunks on the gRPC streams, or fedsynth.wire.data_plane beside them
 PRECISIONS = ("fp32", "bf16", "fp16")  # train.precision: fp32, or autocast to bfloat16 / float16 (with a GradScaler)
@@ -136,6 +139,8 @@ ALGORITHM_PARAMS: dict[str, dict[str, Bound]] = {
                "gen_batch_size": Bound(1, integer=True), "gen_lr": Bound(0, strict=True)},
     # The federated class-conditional DDPM: its settings are the [federate] section's (fedsynth.config.FederateConfig).
     "ddpm": {},
+    # Private Evolution over a public generator: its settings are the [evolve] section's (fedsynth.config.EvolveConfig).
+    "pe": {},
 }
 ALGORITHMS = tuple(ALGORITHM_PARAMS)
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 from pathlib import Path
 
 from fedsynth.errors import ConfigError
+from fedsynth.generation.generator_names import PUBLIC_FILE
 from generator_service.ddpm.model import SIZES
 from generator_service.ddpm.training import TrainConfig, train_generator
 
@@ -68,5 +70,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--schema goes with --data (the schema the client folders are read with)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     out = train_generator(config_from_args(args))
+    public = None if args.data_dir is None else Path(args.data_dir) / PUBLIC_FILE
+    if public is not None and public.is_file():  # the data's own account of being public travels with the model
+        shutil.copyfile(public, Path(out) / PUBLIC_FILE)
     print(f"generator written to {out}")
     return 0

@@ -156,6 +156,17 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "federate.init": ("str?", [""]),
     "federate.secure_noise": ("bool", []),
     "federate.device": ("str", ["gpu", "CUDA", ""]),
+    "evolve.candidates_per_class": ("int", [0, -1]),
+    "evolve.dp": ("str", ["users", ""]),
+    "evolve.noise_multiplier": ("float", [-0.5]),
+    "evolve.target_epsilon": ("float?", [0, -1]),
+    "evolve.delta": ("float", [0, 1, -0.1]),
+    "evolve.accountant": ("str", ["gdp"]),
+    "evolve.threshold": ("float", [-1]),
+    "evolve.strength_start": ("float", [0, 1.5, -0.2]),
+    "evolve.strength_end": ("float", [0, 1.01]),
+    "evolve.embedder": ("str", ["inception", ""]),
+    "evolve.secure_noise": ("bool", []),
 }
 
 
@@ -470,6 +481,7 @@ def test_fedeas_ablation_keys_read_from_set_and_change_the_fingerprint_only_off_
     assert content["generation"].pop("min_confidence") == 0.0  # the quality filter's, off
     content["generation"].pop("evaluate_per_class")  # scoring the generator after the run: never in the fingerprint
     content.pop("federate")  # the federated generator's section: in the fingerprint of a "ddpm" run only
+    content.pop("evolve")  # Private Evolution's section: in the fingerprint of a "pe" run only
     assert content["data"].pop("local_test_fraction") == 0.0  # federated evaluation's keys, at their defaults
     assert [content["train"].pop(key) for key in ("evaluation", "eval_every", "fraction_evaluate")] == ["server", 1, 1.0]
     content["data"].pop("max_samples_per_client")  # who may register: never in the fingerprint

@@ -1,5 +1,5 @@
 """Federated algorithms behind a registry: `get_algorithm("fedavg" | "fedprox" | "scaffold" | "moon" | "sdafl" | "fedmix" |
-"naivemix" | "fedgen" | "ddpm", **params)`."""
+"naivemix" | "fedgen" | "ddpm" | "pe", **params)`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 
 from fedsynth.algorithms.base import Aggregator, Algorithm, ClientUpdate, StateDict, snapshot_state
 from fedsynth.algorithms.ddpm import FedDdpm
+from fedsynth.algorithms.evolution import PrivateEvolution
 from fedsynth.algorithms.fedavg import FedAvg
 from fedsynth.algorithms.fedgen import FedGen
 from fedsynth.algorithms.fedmix import FedMix, NaiveMix
@@ -20,7 +21,7 @@ from fedsynth.config_schema import ALGORITHMS as NAMES
 from fedsynth.errors import ConfigError
 
 # By the names and parameters fedsynth.config_schema defines (the config check reads them there, without torch).
-ALGORITHMS: dict[str, type] = {cls.name: cls for cls in (FedAvg, FedProx, Scaffold, Moon, Sdafl, FedMix, NaiveMix, FedGen, FedDdpm)}
+ALGORITHMS: dict[str, type] = {cls.name: cls for cls in (FedAvg, FedProx, Scaffold, Moon, Sdafl, FedMix, NaiveMix, FedGen, FedDdpm, PrivateEvolution)}
 require_names("fedsynth.algorithms.ALGORITHMS", ALGORITHMS, NAMES)
 for _name, _cls in ALGORITHMS.items():
     _fields = [f.name for f in dataclasses.fields(_cls) if not f.metadata.get("from_config")]  # ddpm's: the run config's

@@ -19,3 +19,6 @@ FILTER_REJECTED_TOTAL = "fedsynth_generator_filter_rejected_total"
 FILTER_UNSERVED_DEVICE_SECONDS_TOTAL = "fedsynth_generator_filter_unserved_device_seconds_total"
 FILTER_JUDGE_SECONDS_TOTAL = "fedsynth_generator_filter_judge_seconds_total"
 INFO = "fedsynth_generator_info"  # labels: backend, size, model_id, device, dtype
+# A generator folder trained on public data only says so here ({"public_data": ..., "relation_to_clients": ...}):
+# `generator train` copies it from its --data-dir; `generator evolve` refuses a --public-model without it.
+PUBLIC_FILE = "public.json"

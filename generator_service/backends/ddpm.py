@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from generator_service.backends import BackendDescription, BackendSettings, BackendSpec
+from generator_service.backends import BackendDescription, BackendSettings, BackendSpec, GeneratorBackend
 from generator_service.ddpm.model import load_generator, read_metadata
 from generator_service.ddpm.sampling import DdimSampler, ImageKey, SamplingConfig, resolve_device
 
@@ -63,10 +63,12 @@ def _check(config: BackendSettings) -> None:
     read_metadata(config.model)  # a wrong folder fails here, before the server binds anything
 
 
-def _load(config: BackendSettings) -> DdpmBackend:
+def _load(config: BackendSettings) -> GeneratorBackend:
     assert config.model is not None
-    return load_ddpm(config.model, device=config.device, batch_size=config.max_batch, ddim_steps=config.ddim_steps,
-                     guidance=config.guidance, threads=config.threads)
+    from generator_service.evolved import wrap_if_evolved  # `generator evolve`'s folders: the evolved set over the model
+
+    return wrap_if_evolved(config.model, load_ddpm(config.model, device=config.device, batch_size=config.max_batch,  # type: ignore[return-value]
+                                                   ddim_steps=config.ddim_steps, guidance=config.guidance, threads=config.threads))
 
 
 BACKEND = BackendSpec("ddpm", load=_load, check=_check)

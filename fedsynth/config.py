@@ -549,7 +549,7 @@ class RunConfig(Section):
         }
         for key, (value, wanted, why) in refused.items():
             if value != wanted:
-                raise ConfigError(f"{key} = {value!r} with train.algorithm = \"pe\": {why}; leave it at {wanted!r}")
+                raise ConfigError(f"{key} = {value!r} with train.algorithm = 'pe': {why}; leave it at {wanted!r}")
         g = self.generation
         if g.model_dir is None and g.generator is None:
             raise ConfigError("train.algorithm = \"pe\" needs a public generator: generation.model_dir (a folder trained on "

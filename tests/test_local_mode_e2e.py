@@ -22,7 +22,7 @@ from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 from runtime_harness import Runtime, read_record, wait_exit, register_request
 
 SPLIT_FLAGS = ["--dataset", "digits", "--alpha", "0.1", "--seed", "3", "--holdout-fraction", "0.1"]
-RUN = ["data.clients=4", "seed=3", "data.holdout_fraction=0.1", "train.rounds=3", "train.local_epochs=1",
+RUN = ["data.clients=4", "seed=3", "data.holdout_fraction=0.1", "train.rounds=2", "train.local_epochs=1",
        "runtime.clients_per_process=4", "generation.evaluate_per_class=0"]
 ARMS = {  # FedEAS trains as FedAvg does over the same folders, its images added: plain FedAvg needs no arm of its own
     "fedeas": ["generation.policy=\"fedeas\""],

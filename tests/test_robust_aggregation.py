@@ -257,6 +257,8 @@ def test_the_config_refuses_a_robust_rule_for_algorithms_beyond_the_plain_mean(a
     settings = [f"train.algorithm=\"{algorithm}\""]
     if algorithm == "ddpm":
         settings += ["train.model=\"unet-tiny\"", "generation.policy=\"none\""]
+    if algorithm == "pe":
+        settings += ["train.model=\"pe-votes\"", "generation.policy=\"none\"", "generation.model_dir=\"/public/model\""]
     load_config(None, settings)  # the mean is fine for every algorithm
     robust = [*settings, "train.aggregation=\"median\""]
     if algorithm in PLAIN_MEAN_ALGORITHMS:

@@ -7,9 +7,6 @@ import argparse
 import json
 import logging
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +21,7 @@ from fedsynth.generation.generator_names import METADATA_FILE, PUBLIC_FILE
 from fedsynth.learning.partition import check_partition
 from fedsynth.process.runtime import write_atomic, write_json
 from generator_service.evolved import EVOLVED_FILE, evolved_model_id, save_class_grid_of
+from generator_service.run_launch import run_in_child
 
 log = logging.getLogger("evolve")
 RUN_FOLDER = "run"  # DIR/run: the launcher's run folder (checkpoint, logs, report); rerunning the command resumes it
@@ -86,20 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if (out / METADATA_FILE).is_file():
         raise ConfigError(f"--out {out} already holds a generator; pick another folder")
     run_dir = out / RUN_FOLDER
-    run_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "fedsynth.cli", "run", *(["--config", args.config] if args.config else []),
-               *(part for item in overrides for part in ("--set", item)), "--out-dir", str(run_dir), "--log-level", args.log_level,
-               *(["--no-progress"] if args.no_progress else [])]
-    child = subprocess.Popen(command)
-    previous = signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))  # the launcher stops its children
-    try:
-        code = child.wait()
-    except KeyboardInterrupt:
-        child.send_signal(signal.SIGINT)
-        child.wait()
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    code = run_in_child(args, overrides, run_dir)
     if code != 0:
         log.error("the evolution failed (exit code %d); see %s (rerun the same command to resume)", code, run_dir / "report.json")
         return code

@@ -6,9 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -27,6 +24,7 @@ from fedsynth.process.runtime import write_json
 from generator_service.ddpm.grid import save_class_grid
 from generator_service.ddpm.model import GeneratorMetadata, build_unet, is_generator_folder, make_train_scheduler, read_metadata, save_generator
 from generator_service.ddpm.sampling import DdimSampler, SamplingConfig
+from generator_service.run_launch import run_in_child
 
 log = logging.getLogger("federate")
 RUN_FOLDER = "run"  # DIR/run: the launcher's run folder (checkpoint, logs, report); rerunning the command resumes it
@@ -108,20 +106,7 @@ def run(args: argparse.Namespace) -> int:
     if is_generator_folder(out):
         raise ConfigError(f"--out {out} already holds a generator; pick another folder")
     run_dir = out / RUN_FOLDER
-    run_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "fedsynth.cli", "run", *(["--config", args.config] if args.config else []),
-               *(part for item in overrides for part in ("--set", item)), "--out-dir", str(run_dir), "--log-level", args.log_level,
-               *(["--no-progress"] if args.no_progress else [])]
-    child = subprocess.Popen(command)
-    previous = signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))  # the launcher stops its children
-    try:
-        code = child.wait()
-    except KeyboardInterrupt:
-        child.send_signal(signal.SIGINT)
-        child.wait()
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    code = run_in_child(args, overrides, run_dir)
     if code != 0:
         log.error("the federated run failed (exit code %d); see %s (rerun the same command to resume)", code, run_dir / "report.json")
         return code

@@ -55,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"images per class to score (default {DEFAULT_PER_CLASS}; --images: all of the file)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seeds the judge, the image request and the CAS classifier (default %(default)s)")
+    parser.add_argument("--judge-seed", type=int, default=None,
+                        help="seeds the judge alone (default: --seed): one judge for rows whose images vary by --seed")
     parser.add_argument("--judge-model", choices=MODELS, default="cnn", help="the judge's architecture (default %(default)s)")
     parser.add_argument("--judge-device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the judge and the CAS classifier train and score: auto = cuda when torch sees a GPU "
@@ -83,6 +85,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError("--images needs --dataset: the real data the judge learns from")
     if args.seed < 0:
         raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+    if args.judge_seed is not None and args.judge_seed < 0:
+        raise ConfigError(f"--judge-seed must be >= 0, got {args.judge_seed}")
     if args.grid_per_class < 1:
         raise ConfigError(f"--grid-per-class must be >= 1, got {args.grid_per_class}")
     if args.min_confidence and args.backend is None:
@@ -168,10 +172,12 @@ def run(args: argparse.Namespace) -> int:
     recipe = default_recipe(image_size, args.judge_model)
     if args.judge_epochs is not None:
         recipe = dataclasses.replace(recipe, epochs=args.judge_epochs)
-    judge = load_or_train_judge(dataset, data_dir=args.data_dir, seed=args.seed, recipe=recipe, root=args.judge_cache,
+    judge_seed = args.seed if args.judge_seed is None else args.judge_seed
+    judge = load_or_train_judge(dataset, data_dir=args.data_dir, seed=judge_seed, recipe=recipe, root=args.judge_cache,
                                 device=judge_device)
     _check_match(generated, judge.num_classes, judge.image_shape, dataset)
     result = evaluate_images(judge, generated, seed=args.seed, data_dir=args.data_dir)
+    result["judge_seed"] = judge_seed
     result["seconds"]["total"] = time.perf_counter() - started
     if args.grid is not None:
         _grid(generated, args.grid, judge.num_classes, args.grid_per_class)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import string
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -463,7 +464,9 @@ class EvolveConfig(Section):
     threshold: float = 2.0  # H, in units of sigma: a candidate needs more than H x sigma noisy votes to be drawn from
     strength_start: float = 0.8  # the variation strength (SDEdit's share of the schedule) after iteration 1 ...
     strength_end: float = 0.4  # ... falling linearly to this after the last
-    embedder: str = "pixels"  # the public feature extractor the votes are cast in: "pixels", hand-built (no training)
+    embedder: str = "pixels"  # the public feature extractor the votes are cast in: "pixels" (hand-built) or "classifier"
+    embedder_model: str | None = None  # embedder "classifier": its folder (scripts/train_public_embedder.py), on every node
+    embedder_sha256: str | None = None  # ... and the hash of its weights, which every node checks its copy against
     secure_noise: bool = False  # the histogram's noise from a CSPRNG seed; runs stop being reproducible
 
     def check(self) -> None:
@@ -471,6 +474,13 @@ class EvolveConfig(Section):
         self.one_of("dp", DP_LEVELS)
         self.one_of("accountant", ACCOUNTANTS)
         self.one_of("embedder", EMBEDDERS)
+        self.non_empty("embedder_model")
+        if (self.embedder == "classifier") != (self.embedder_model is not None and self.embedder_sha256 is not None):
+            raise ConfigError(f"evolve.embedder = {self.embedder!r} with evolve.embedder_model = {self.embedder_model!r} and "
+                              f"evolve.embedder_sha256 = {self.embedder_sha256!r}: a \"classifier\" embedder needs both "
+                              "(its folder and its weights' hash), \"pixels\" neither")
+        if self.embedder_sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", self.embedder_sha256):
+            raise ConfigError(f"evolve.embedder_sha256 must be 64 lowercase hex digits, got {self.embedder_sha256!r}")
         self.above(0, "target_epsilon")
         self.within("delta", 0, 1, low_open=True, high_open=True)
         self.at_least(0, "threshold")
@@ -657,6 +667,7 @@ class RunConfig(Section):
             content.pop("evolve")
         else:  # the strength schedule and sigma follow from train.rounds: an evolution cannot be extended
             content["evolve"]["rounds"] = self.train.rounds
+            content["evolve"].pop("embedder_model")  # where a node keeps the embedder: its hash says what it is
         for key, default in LATER_GENERATION_KEYS.items():  # keys that came later: at their defaults, old fingerprints hold
             if content["generation"][key] == default:
                 content["generation"].pop(key)

@@ -43,7 +43,9 @@ GENERATOR_TRAIN_LR = {"tiny": 2e-3, "small": 2e-3, "half": 2e-4, "ddpm-cifar": 2
 GENERATOR_SIDE_DIVISOR = {"tiny": 2, "small": 4, "half": 8, "ddpm-cifar": 8}
 WIRE_DTYPES = ("float32", "float16", "bfloat16")  # fedsynth.wire.wire_dtype: the floats of client updates on the wire
 DP_LEVELS = ("none", "user", "sample")  # federate.dp: none, DP-FedAvg (a client's whole data), DP-SGD (one image)
-EMBEDDERS = ("pixels",)  # evolve.embedder: the public feature extractor Private Evolution's votes are cast in
+# evolve.embedder: the public feature extractor Private Evolution's votes are cast in: the pixels themselves, or a
+# classifier trained on public data (evolve.embedder_model; fedsynth.learning.public_embedder)
+EMBEDDERS = ("pixels", "classifier")
 EVALUATIONS = ("server", "federated", "both")  # who tests the global model: the coordinator, the clients (counts), or both
 DATA_PLANES = ("grpc", "tcp")  # how model payloads travel: chunks on the gRPC streams, or fedsynth.wire.data_plane beside them
 PRECISIONS = ("fp32", "bf16", "fp16")  # train.precision: fp32, or autocast to bfloat16 / float16 (with a GradScaler)

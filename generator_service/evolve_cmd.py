@@ -19,6 +19,7 @@ from fedsynth.config_schema import DP_LEVELS
 from fedsynth.errors import ConfigError, FedsynthError
 from fedsynth.generation.generator_names import METADATA_FILE, PUBLIC_FILE
 from fedsynth.learning.partition import check_partition
+from fedsynth.learning.public_embedder import RECORD, weights_sha256
 from fedsynth.process.runtime import write_atomic, write_json
 from generator_service.evolved import EVOLVED_FILE, evolved_model_id, save_class_grid_of
 from generator_service.run_launch import run_in_child
@@ -41,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sample (one image is one vote) | user (a client's votes, L2-normalised) | none (evolve.dp)")
     parser.add_argument("--target-epsilon", type=float, default=None, help="epsilon for the whole run; picks sigma (evolve.target_epsilon)")
     parser.add_argument("--delta", type=float, default=None, help="delta of the guarantee (evolve.delta)")
+    parser.add_argument("--embedder-model", type=Path, default=None,
+                        help="vote in the features of this public classifier (scripts/train_public_embedder.py) instead "
+                             "of pixels; every client node needs the same folder at the same path (its hash is pinned)")
     parser.add_argument("--out", type=Path, required=True, help="the generator folder to write (DIR/run holds the run)")
     parser.add_argument("--grid-per-class", type=int, default=10, help="evolved images per class in DIR/samples.png, 0 for none (default %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="log one line per iteration instead of a progress bar")
@@ -69,6 +73,9 @@ def run_overrides(args: argparse.Namespace) -> list[str]:
               f"generation.model_dir={json.dumps(str(args.public_model.resolve()))}", "generation.evaluate_per_class=0"]
     flags = {"train.rounds": args.iterations, "evolve.candidates_per_class": args.candidates_per_class, "evolve.dp": args.dp,
              "evolve.target_epsilon": args.target_epsilon, "evolve.delta": args.delta}
+    if args.embedder_model is not None:
+        flags.update({"evolve.embedder": "classifier", "evolve.embedder_model": str(args.embedder_model.resolve()),
+                      "evolve.embedder_sha256": weights_sha256(args.embedder_model)})
     return [*forced, *args.set, *(f"{key}={json.dumps(value)}" for key, value in flags.items() if value is not None)]
 
 
@@ -112,7 +119,7 @@ def export(cfg: RunConfig, run_dir: Path, out: Path, *, public_model: Path, publ
     provenance = {
         "method": "Private Evolution (Lin et al., ICLR 2024), federated",
         "public_model": {"path": str(public_model.resolve()), "model_id": metadata.get("model_id"), **public},
-        "embedder": {"name": cfg.evolve.embedder, "trained_on": "nothing: hand-built (the image's pixels)"},
+        "embedder": embedder_provenance(cfg),
         "iterations": len(report.get("rounds", [])),
         "candidates_per_class": m,
         "dp": cfg.evolve.dp,
@@ -143,6 +150,16 @@ def export(cfg: RunConfig, run_dir: Path, out: Path, *, public_model: Path, publ
     write_atomic(out / METADATA_FILE, json.dumps(metadata, indent=2) + "\n")
     log.info("wrote the evolved generator %s to %s (%s)", metadata["model_id"], out, _describe(provenance))
     return out
+
+
+def embedder_provenance(cfg: RunConfig) -> dict[str, Any]:
+    e = cfg.evolve
+    if e.embedder == "pixels":
+        return {"name": "pixels", "trained_on": "nothing: hand-built (the image's pixels)"}
+    assert e.embedder_model is not None
+    record = json.loads((Path(e.embedder_model) / RECORD).read_text())
+    return {"name": "classifier", "path": e.embedder_model, "sha256": e.embedder_sha256, "model": record["model"],
+            "test_accuracy": record["test_accuracy"], "trained_on": record["public"]}
 
 
 def _describe(provenance: dict[str, Any]) -> str:

@@ -166,6 +166,8 @@ KEYS: dict[str, tuple[str, list[Any]]] = {
     "evolve.strength_start": ("float", [0, 1.5, -0.2]),
     "evolve.strength_end": ("float", [0, 1.01]),
     "evolve.embedder": ("str", ["inception", ""]),
+    "evolve.embedder_model": ("str?", [""]),
+    "evolve.embedder_sha256": ("str?", ["abc", "G" * 64]),
     "evolve.secure_noise": ("bool", []),
 }
 

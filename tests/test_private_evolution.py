@@ -17,10 +17,11 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from fedsynth.algorithms.evolution import CANDIDATES, ITERATION, SELECTED, VOTES, PrivateEvolution, VoteAggregator
-from fedsynth.algorithms.votes import bounded_votes, draw_population, nearest_votes, strength_at, user_normalised
+from fedsynth.algorithms.votes import bounded_votes, draw_population, embed, nearest_votes, strength_at, user_normalised
 from fedsynth.config import EvolveConfig, load_config
 from fedsynth.errors import ConfigError, WireError
 from fedsynth.generation.generator_client import fetch_images
+from fedsynth.learning.public_embedder import load_public_embedder, train_public_embedder, weights_sha256
 from fedsynth.learning.training import TrainData
 from fedsynth.wire import grpcutil
 from generator_service.evolved import EVOLVED_FILE
@@ -149,6 +150,8 @@ def test_a_client_refuses_candidates_of_another_shape_or_dtype() -> None:
     ("evolve.candidates_per_class=0", "evolve.candidates_per_class"),
     ("evolve.strength_end=1.5", "evolve.strength_end"),
     ('evolve.embedder="inception"', "evolve.embedder"),
+    ('evolve.embedder="classifier"', "evolve.embedder"),  # without its folder and hash
+    ('evolve.embedder_sha256="ABC"', "evolve.embedder"),
 ])
 def test_a_setting_that_would_change_the_votes_is_refused_naming_its_key(override: str, key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -180,6 +183,22 @@ def public_digits(tmp_path_factory: pytest.TempPathFactory) -> Path:
                     str(root / "mnist8"), "--size", "tiny", "--steps", "40", "--batch-size", "32", "--out", str(root / "model"),
                     "--no-progress", "--grid-per-class", "0", "--threads", "1"], check=True, timeout=300, capture_output=True, cwd=ROOT)
     return root / "model"
+
+
+def test_a_public_classifier_embeds_only_with_the_pinned_weights(public_digits: Path, tmp_path: Path) -> None:
+    record = train_public_embedder(public_digits.parent / "mnist8", tmp_path / "embedder", epochs=1,
+                                   public=json.loads((public_digits / "public.json").read_text()))
+    assert record["public"]["public_data"].startswith("MNIST") and record["test_accuracy"] > 0.3
+    sha = weights_sha256(tmp_path / "embedder")
+    with pytest.raises(ConfigError, match="every node must embed with the same public model"):
+        load_public_embedder(str(tmp_path / "embedder"), "0" * 64)
+    features = embed(torch.rand(5, 1, 8, 8) * 2 - 1, load_public_embedder(str(tmp_path / "embedder"), sha))
+    assert features.shape[0] == 5 and torch.allclose(features.norm(dim=1), torch.ones(5))
+    cfg = load_config(None, [*PE, 'generation.policy="none"', 'evolve.embedder="classifier"',
+                             f'evolve.embedder_model="{tmp_path / "embedder"}"', f'evolve.embedder_sha256="{sha}"'])
+    moved = load_config(None, [*PE, 'generation.policy="none"', 'evolve.embedder="classifier"',
+                               'evolve.embedder_model="/elsewhere"', f'evolve.embedder_sha256="{sha}"'])
+    assert cfg.fingerprint() == moved.fingerprint()  # where a node keeps it changes nothing; its hash is pinned
 
 
 @pytest.mark.slow

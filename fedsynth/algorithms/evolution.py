@@ -22,6 +22,7 @@ from fedsynth.algorithms.privacy import epsilon_spent, noise_multiplier_for
 from fedsynth.algorithms.votes import bounded_votes, draw_population, embed, nearest_votes, noisy_histogram, strength_at, user_normalised
 from fedsynth.config import EvolveConfig
 from fedsynth.errors import WireError
+from fedsynth.learning.public_embedder import load_public_embedder
 from fedsynth.learning.training import LocalTrainConfig, TrainData, images_to_tensor
 
 FROM_CONFIG = {"from_config": True}  # fields the run config fills in (fedsynth.assembly), not train.algorithm_params
@@ -79,12 +80,21 @@ class PrivateEvolution:
         if candidates is None or candidates.dtype != torch.uint8 or tuple(candidates.shape) != expected:
             got = "none" if candidates is None else f"{candidates.dtype} {tuple(candidates.shape)}"
             raise WireError(f"the coordinator's candidates must be uint8 {expected}, got {got}")
-        pool = embed(images_to_tensor(candidates.numpy()), self.settings.embedder)
-        votes = nearest_votes(embed(data.x, self.settings.embedder), data.y, pool, self.per_class)
+        extractor = self.extractor()
+        pool = embed(images_to_tensor(candidates.numpy()), extractor)
+        votes = nearest_votes(embed(data.x, extractor), data.y, pool, self.per_class)
         if self.settings.dp == "user":
             votes = user_normalised(votes)
         model.get_buffer(VOTES).copy_(votes.to(torch.float32))
         return ClientUpdate(state=snapshot_state(model), num_steps=0, train_loss=math.nan)
+
+    def extractor(self) -> nn.Module | None:
+        """The public feature extractor (None: pixels), the node's copy checked against the run's pinned hash."""
+        s = self.settings
+        if s.embedder == "pixels":
+            return None
+        assert s.embedder_model is not None and s.embedder_sha256 is not None  # EvolveConfig.check
+        return load_public_embedder(s.embedder_model, s.embedder_sha256)
 
     # ---- the server ---------------------------------------------------------------------------
 

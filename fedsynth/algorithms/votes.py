@@ -5,16 +5,22 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch import nn
 
-from fedsynth.errors import ConfigError
+
+EMBED_BATCH = 512
 
 
-def embed(images: torch.Tensor, embedder: str) -> torch.Tensor:
-    """N x C x H x W images in [-1, 1] -> N x D float32 features of the PUBLIC extractor named by evolve.embedder.
-    "pixels" is hand-built (nothing trained, on any data): the image itself, flattened."""
-    if embedder != "pixels":
-        raise ConfigError(f"evolve.embedder={embedder!r} is not a known embedder; expected \"pixels\"")
-    return images.reshape(len(images), -1).to(torch.float32)
+def embed(images: torch.Tensor, extractor: nn.Module | None) -> torch.Tensor:
+    """N x C x H x W images in [-1, 1] -> N x D float32 features of the PUBLIC extractor: None is "pixels",
+    hand-built (nothing trained, on any data: the image itself, flattened); a module is a classifier trained on public
+    data, whose penultimate features (model.features) are L2-normalised, as DPSDA's embeddings are compared."""
+    if extractor is None:
+        return images.reshape(len(images), -1).to(torch.float32)
+    with torch.inference_mode():
+        parts = [extractor.features(images[start : start + EMBED_BATCH]) for start in range(0, len(images), EMBED_BATCH)]  # type: ignore[operator]
+    features = torch.cat(parts).reshape(len(images), -1).to(torch.float32)
+    return nn.functional.normalize(features, dim=1)
 
 
 def nearest_votes(private: torch.Tensor, labels: torch.Tensor, candidates: torch.Tensor, per_class: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.server import create_server
 from fedsynth.process import allocator, lifetime
 from fedsynth.wire import grpcutil, tls
-from fedsynth.config import load_config
+from fedsynth.config import generator_addresses, load_config
 from fedsynth.errors import ConfigError, QuorumError
 from fedsynth.process.provenance import provenance
 from fedsynth.process.metrics import add_metrics_arguments, linger_for_final_scrape, serve_metrics_from_args
@@ -62,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     host = security.bind_host(args.host, cfg.runtime.host)
     port = cfg.runtime.coordinator_port if args.port is None else args.port
     metrics_server = serve_metrics_from_args(args, security.files, security.revoked)
+    if args.generator is not None and len(generator_addresses(args.generator, key="--generator")) != 1:
+        raise ConfigError(f"--generator names one generator (HOST:PORT), got {args.generator!r}")
     if not 0 <= args.data_port <= 65535:
         raise ConfigError(f"--data-port must be a port number (0-65535), got {args.data_port}")
     coordinator, bound = create_server(cfg, out_dir=out_dir, host=host, port=port, data_port=args.data_port, security=security,

@@ -165,6 +165,12 @@ def test_without_a_public_model_evolution_is_refused_rather_than_trained_on_the_
         load_config(None, ['train.model="pe-votes"'])  # the vote tally trains under nothing else
 
 
+def test_the_coordinator_takes_one_public_generator_address() -> None:
+    done = subprocess.run([sys.executable, "-m", "fedsynth.cli", "coordinator", "--generator", "gpu1:9200,gpu2:9200", "--insecure"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 1 and "--generator names one generator (HOST:PORT), got 'gpu1:9200,gpu2:9200'" in done.stderr
+
+
 def test_a_public_model_that_does_not_say_it_is_public_is_refused_before_any_process(tiny_generator: Path, tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "fedsynth.cli", "generator", "evolve", "--public-model", str(tiny_generator),
                            "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120, cwd=ROOT)

@@ -13,6 +13,7 @@ from fedsynth.generation.generator_client import GeneratorInfo, fetch_images, va
 from fedsynth.wire import grpcutil
 
 log = logging.getLogger(__name__)
+CONNECT_TIMEOUT_S = 60.0  # within the launcher's wait for the coordinator's port (the generator is SERVING by then)
 
 
 class GeneratorSource:
@@ -23,7 +24,14 @@ class GeneratorSource:
         self.address = address
         self.timeout_s = timeout_s
         self.channel = grpcutil.make_channel(address, credentials)
-        self.info = GeneratorInfo.fetch(self.channel, timeout_s=timeout_s)
+        try:  # a generator still loading answers UNAVAILABLE, and so does a TLS handshake that fails: wait, not forever
+            self.info = GeneratorInfo.fetch(self.channel, timeout_s=min(timeout_s, CONNECT_TIMEOUT_S))
+        except grpc.RpcError as exc:
+            detail = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            raise ConfigError(f"the public generator at {address} did not answer Info within "
+                              f"{min(timeout_s, CONNECT_TIMEOUT_S):.0f}s ({detail}); is it serving there, and does its "
+                              "certificate trust this coordinator's (a coordinator certificate needs clientAuth: "
+                              "`fedsynth deploy provision` gives it since 2026-12-07)?") from None
         if self.info.num_classes != num_classes or self.info.image_shape != image_shape:
             raise ConfigError(f"the public generator at {address} serves {self.info.num_classes} classes of "
                               f"{self.info.image_shape} images; this run's clients hold {num_classes} classes of {image_shape}")

@@ -86,6 +86,8 @@ def make_leaf(node: Node, ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Cert
     if node.role in SERVER_ROLES:
         names += hosts
         usage = [ExtendedKeyUsageOID.SERVER_AUTH]
+        if node.role == "coordinator":  # Private Evolution's coordinator also dials the generator, as a client
+            usage.append(ExtendedKeyUsageOID.CLIENT_AUTH)
     elif hosts:  # a client certificate given --client-hosts also serves its node's /metrics over HTTPS
         names += hosts
         usage.append(ExtendedKeyUsageOID.SERVER_AUTH)

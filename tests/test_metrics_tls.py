@@ -244,7 +244,7 @@ def test_no_client_certificate_plain_http_and_foreign_certificates_are_refused(
     with pytest.raises(ssl.SSLError, match="UNKNOWN_CA"):
         get(port, context(other, "operator", ca=pki / "ca.pem"))  # a client certificate of another CA
     with pytest.raises(ssl.SSLError, match="UNSUPPORTED_CERTIFICATE"):
-        get(port, context(pki, "coordinator"))  # a server certificate (serverAuth only) as a client certificate
+        get(port, context(pki, "generator"))  # a server certificate (serverAuth only) as a client certificate
     with pytest.raises(ssl.SSLError, match="CERTIFICATE_VERIFY_FAILED"):
         get(port, context(other, "operator"))  # the scraper trusts another CA: the generator's certificate fails
 

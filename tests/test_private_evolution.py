@@ -5,9 +5,12 @@ by class counts exactly as its provenance says."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -28,6 +31,14 @@ from generator_service.evolved import EVOLVED_FILE
 from generator_service.serve_cmd import GeneratorServer, ServeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def unused_port() -> Iterator[int]:
+    """A port nothing listens on while the block runs (bound, never listened on)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield held.getsockname()[1]
 PE = ['train.algorithm="pe"', 'train.model="pe-votes"', 'generation.model_dir="/nonexistent/public"']
 
 
@@ -169,6 +180,22 @@ def test_the_coordinator_takes_one_public_generator_address() -> None:
     done = subprocess.run([sys.executable, "-m", "fedsynth.cli", "coordinator", "--generator", "gpu1:9200,gpu2:9200", "--insecure"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 1 and "--generator names one generator (HOST:PORT), got 'gpu1:9200,gpu2:9200'" in done.stderr
+
+
+def test_the_coordinator_certificate_may_dial_the_generator_and_a_silent_generator_is_named(tmp_path: Path) -> None:
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    from coordinator.evolution_source import GeneratorSource
+    from fedsynth import cli
+
+    assert cli.main(["deploy", "provision", "--out", str(tmp_path / "tls"), "--clients", "1"]) == 0
+    cert = x509.load_pem_x509_certificate((tmp_path / "tls" / "coordinator.pem").read_bytes())
+    usage = set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+    assert usage == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
+    with unused_port() as port:  # nothing listens there
+        with pytest.raises(ConfigError, match=f"the public generator at 127.0.0.1:{port} did not answer Info within 2s"):
+            GeneratorSource(f"127.0.0.1:{port}", None, num_classes=10, image_shape=(1, 8, 8), timeout_s=2.0)
 
 
 def test_a_public_model_that_does_not_say_it_is_public_is_refused_before_any_process(tiny_generator: Path, tmp_path: Path) -> None:

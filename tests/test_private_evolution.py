@@ -13,7 +13,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 import torch

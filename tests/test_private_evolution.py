@@ -106,6 +106,7 @@ def _aggregator(dp: str = "none", sigma: float = 0.0) -> tuple[VoteAggregator, F
     algorithm = PrivateEvolution(settings=EvolveConfig(dp=dp, noise_multiplier=sigma, threshold=0.0, candidates_per_class=2),
                                  num_classes=2, rounds=3, source=source)
     server = algorithm.initial_server_state({})
+    algorithm.server_extra(server)  # iteration 1's dispatch: the random population
     return VoteAggregator({VOTES: torch.zeros(4)}, server, algorithm=algorithm), source  # type: ignore[return-value]
 
 

@@ -99,14 +99,17 @@ class PrivateEvolution:
     # ---- the server ---------------------------------------------------------------------------
 
     def initial_server_state(self, global_state: StateDict) -> StateDict:
-        """Iteration 0's population: per_class random images of every class from the public generator."""
-        if self.source is None:  # a client node builds the algorithm too, and never asks for a population
-            return {}
-        first = self.source.random(self.per_class, self.num_classes, self.seed)
-        return {ITERATION: torch.zeros((), dtype=torch.int64), CANDIDATES: torch.from_numpy(first),
-                SELECTED: torch.from_numpy(first.copy())}
+        """No population yet: server_extra asks for it when iteration 1 is dispatched (the coordinator serving by then,
+        so that minutes of generation never hold its start-up; a resumed run has its population in the checkpoint)."""
+        return {ITERATION: torch.zeros((), dtype=torch.int64)}
 
     def server_extra(self, server_state: StateDict) -> StateDict:
+        """The population the sampled clients vote on. The first time (iteration 1): per_class random images of every
+        class from the public generator, kept in `server_state` (the round's aggregator and checkpoint take it there)."""
+        if CANDIDATES not in server_state:
+            assert self.source is not None, "the coordinator's algorithm has a candidate source"
+            first = self.source.random(self.per_class, self.num_classes, self.seed)
+            server_state.update({CANDIDATES: torch.from_numpy(first), SELECTED: torch.from_numpy(first.copy())})
         return {CANDIDATES: server_state[CANDIDATES]}
 
     def new_aggregator(self, global_state: StateDict, server_state: StateDict) -> Aggregator:

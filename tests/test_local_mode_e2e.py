@@ -22,7 +22,8 @@ from fedsynth.v1 import coordinator_pb2_grpc as pb_grpc
 from runtime_harness import Runtime, read_record, wait_exit, register_request
 
 SPLIT_FLAGS = ["--dataset", "digits", "--alpha", "0.1", "--seed", "3", "--holdout-fraction", "0.1"]
-RUN = ["data.clients=4", "seed=3", "data.holdout_fraction=0.1", "train.rounds=2", "train.local_epochs=1",
+ROUNDS = 2
+RUN = ["data.clients=4", "seed=3", "data.holdout_fraction=0.1", f"train.rounds={ROUNDS}", "train.local_epochs=1",
        "runtime.clients_per_process=4", "generation.evaluate_per_class=0"]
 ARMS = {  # FedEAS trains as FedAvg does over the same folders, its images added: plain FedAvg needs no arm of its own
     "fedeas": ["generation.policy=\"fedeas\""],
@@ -94,7 +95,7 @@ def test_data_test_dir_gives_the_coordinator_its_own_test_set_beside_federated_e
     sets = [*RUN, "data.clients=2", 'generation.policy="none"', 'data.source="local"',
             f"data.local_dir={json.dumps(str(folders))}", f"data.test_dir={json.dumps(str(whole))}", 'train.evaluation="both"']
     record = _run(tmp_path / "run", sets)
-    assert record["success"] and len(record["rounds"]) == 3
+    assert record["success"] and len(record["rounds"]) == ROUNDS
     server = [r["accuracy"] for r in record["rounds"]]
     assert all(a is not None for a in server)
     assert server == [r["federated_evaluation"]["weighted_accuracy"] for r in record["rounds"]]

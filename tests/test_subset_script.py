@@ -53,3 +53,24 @@ def test_a_fraction_outside_zero_to_one_is_named(tmp_path: Path) -> None:
     assert result.returncode == 2 and "the subset would overwrite its source" in result.stderr
     result = subset(tmp_path / "nowhere", tmp_path / "out", "--train-fraction", "0.5")
     assert result.returncode == 2 and f"no such file: {tmp_path / 'nowhere' / 'train.npz'}" in result.stderr
+
+
+def test_the_public_folder_holds_exactly_the_training_images_the_subset_left_out(tmp_path: Path) -> None:
+    write_dataset(tmp_path / "full")
+    done = subset(tmp_path / "full", tmp_path / "sub", "--train-fraction", "0.25", "--test-fraction", "0.5",
+                  "--public-out", str(tmp_path / "public"))
+    assert done.returncode == 0, done.stderr
+    full, sub, public = (load_dataset("npz", "train", data_dir=tmp_path / name) for name in ("full", "sub", "public"))
+    kept = {row.tobytes() for row in sub.x}
+    left_out = {row.tobytes() for row in public.x}
+    assert not kept & left_out and kept | left_out == {row.tobytes() for row in full.x}
+    assert np.bincount(public.y).tolist() == [30, 30, 30]
+    # the public folder is judged on the subset's own test images
+    assert (tmp_path / "public" / "test.npz").read_bytes() == (tmp_path / "sub" / "test.npz").read_bytes()
+    label = json.loads((tmp_path / "public" / "public.json").read_text())
+    assert "90 images" in label["public_data"] and "disjoint from every client's shard" in label["relation_to_clients"]
+    for bad in ("sub", "full"):  # the public folder must not overwrite the subset or its source
+        refused = subset(tmp_path / "full", tmp_path / "sub", "--train-fraction", "0.25", "--public-out", str(tmp_path / bad))
+        assert refused.returncode == 2 and f"--public-out {tmp_path / bad} must be a folder of its own" in refused.stderr
+    refused = subset(tmp_path / "full", tmp_path / "all", "--train-fraction", "1", "--public-out", str(tmp_path / "p2"))
+    assert refused.returncode == 2 and "--public-out needs --train-fraction below 1" in refused.stderr
